@@ -1,0 +1,145 @@
+"""Public attention entry points: validate, then dispatch to Triton or the reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cache import QuantizedKVCache
+from .dispatch import use_triton
+from .reference import attention_reference
+
+ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_tensor(name: str, t, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in ATTN_DTYPES:
+        raise TypeError(f"{name} dtype must be one of {ATTN_DTYPES}, got {t.dtype}")
+
+
+def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) -> None:
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [{hq}], got {type(t).__name__}")
+        if t.shape != (hq,):
+            raise ValueError(f"{name} must have shape [{hq}] (one per query head), got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor | None = None,
+                     v: torch.Tensor | None = None, scale: float | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     backend: str = "auto", num_splits: int | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, Tq, D] over the compressed cache (plus fresh k, v).
+
+    Query t of sequence b sits at position seen[b] + t when fresh k, v
+    [B, Hkv, Tq, D] are given (they follow the cache, causal among
+    themselves), else at seen[b] - Tq + t (the cache already holds the chunk).
+    The cache is not modified.  Returns [B, Hq, Tq, D] in q.dtype.
+    """
+    if not isinstance(cache, QuantizedKVCache):
+        raise TypeError(f"cache must be a turboattn.QuantizedKVCache, got {type(cache).__name__}")
+    _check_tensor("q", q, 4)
+    b, hq, tq, d = q.shape
+    if b != cache.batch_size or d != cache.codec.head_dim or tq < 1:
+        raise ValueError(f"q must be [B={cache.batch_size}, Hq, Tq>=1, D={cache.codec.head_dim}], got {tuple(q.shape)}")
+    if hq % cache.num_kv_heads != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's KV heads ({cache.num_kv_heads})")
+    if q.device != cache.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
+    if (k is None) != (v is None):
+        raise ValueError("pass both fresh k and v, or neither")
+    if k is not None:
+        cache.check_kv(k, v, "cached_attention")
+        if k.shape[2] != tq:
+            raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
+        if k.dtype != q.dtype:
+            raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
+    _check_options(hq, q.device, scale, softcap, sinks)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+
+    if use_triton(backend, q):
+        from .kernels.cached import cached_attention_triton
+        return cached_attention_triton(q, cache, k, v, scale, softcap, sinks, num_splits)
+    return cached_attention_torch(q, cache, k, v, scale, softcap, sinks)
+
+
+def cached_attention_torch(q, cache, k=None, v=None, scale=None, softcap=None, sinks=None,
+                           compute_dtype=torch.float32):
+    """Reference: dequantize every slot, attach absolute positions, run exact attention."""
+    tq = q.shape[2]
+    k_all, v_all = cache.dequantize(compute_dtype)
+    k_pos = cache.slot_positions()
+    seen = cache.seen.to(torch.int64)[:, None]
+    offsets = torch.arange(tq, device=q.device)[None]
+    if k is not None:
+        fresh_pos = seen + offsets
+        fresh_pos = torch.where(fresh_pos >= cache.starts.to(torch.int64)[:, None], fresh_pos, -1)
+        k_all = torch.cat([k_all, k.to(compute_dtype)], dim=2)
+        v_all = torch.cat([v_all, v.to(compute_dtype)], dim=2)
+        k_pos = torch.cat([k_pos, fresh_pos], dim=1)
+        q_pos = seen + offsets
+    else:
+        q_pos = seen - tq + offsets
+    return attention_reference(q, k_all, v_all, causal=True, sliding_window=cache.sliding_window,
+                               scale=scale, softcap=softcap, sinks=sinks,
+                               q_positions=q_pos, k_positions=k_pos, compute_dtype=compute_dtype)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    sliding_window: int | None = None, mask: torch.Tensor | None = None,
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                    return_lse: bool = False, backend: str = "auto"):
+    """Dense attention, q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (SDPA layout, GQA by head count).
+
+    Semantics are those of reference.attention_reference (bottom-right causal
+    alignment, sliding window, boolean keep-mask or additive mask, softcap,
+    sinks, ALiBi).  Returns out [B, Hq, Lq, D] in q.dtype, and LSE [B, Hq, Lq]
+    float32 when return_lse.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+    b, hq, lq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B={b}, Hkv, Lk, D={d}] and equal, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if hq % k.shape[1] != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if lq < 1 or k.shape[2] < 1:
+        raise ValueError(f"q and k need at least one token, got Lq={lq}, Lk={k.shape[2]}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        try:
+            torch.broadcast_shapes(mask.shape, (b, hq, lq, k.shape[2]))
+        except RuntimeError:
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to {(b, hq, lq, k.shape[2])}") from None
+    _check_options(hq, q.device, scale, softcap, sinks, alibi_slopes)
+
+    if use_triton(backend, q):
+        from .kernels.flash import flash_attention_triton
+        return flash_attention_triton(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
+                                      scale=scale, softcap=softcap, sinks=sinks,
+                                      alibi_slopes=alibi_slopes, return_lse=return_lse)
+    return attention_reference(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
+                               scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                               return_lse=return_lse)

@@ -1,0 +1,177 @@
+"""QuantizedKVCache: compressed K/V storage, contiguous or ring (sliding window).
+
+Layout (what the kernels read): codes [B, Hkv, N, D*bits/8] uint8 and scales
+[B, Hkv, N, D/block] float32 for K and for V, N = slots.  Token at absolute
+position p of sequence b lives in slot p (contiguous) or p mod W (ring).
+`seen[b]` counts tokens appended to sequence b (its next absolute position);
+`starts[b]` marks left padding: positions < starts[b] are never attended.
+Both live on the device so that decode steps need no host synchronization;
+a host copy of `seen` makes overflow checks free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .codec import FLOAT_DTYPES, KVCodec
+from .dispatch import check_backend, use_triton
+
+
+class QuantizedKVCache:
+    def __init__(self, codec: KVCodec, batch_size: int, num_kv_heads: int, capacity: int | None = None,
+                 sliding_window: int | None = None, device=None):
+        if not isinstance(codec, KVCodec):
+            raise TypeError(f"codec must be a turboattn.KVCodec, got {type(codec).__name__}")
+        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if sliding_window is not None:
+            if not isinstance(sliding_window, int) or sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+            if capacity not in (None, sliding_window):
+                raise ValueError(f"a ring cache holds exactly sliding_window={sliding_window} tokens; "
+                                 f"pass capacity=None or {sliding_window}, got {capacity!r}")
+            capacity = sliding_window
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.codec = codec
+        self.batch_size = batch_size
+        self.num_kv_heads = num_kv_heads
+        self.capacity = capacity
+        self.sliding_window = sliding_window
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+        shape = (batch_size, num_kv_heads, capacity)
+        nb = codec.num_blocks
+        self.k_codes = torch.zeros(*shape, codec.code_bytes("k"), dtype=torch.uint8, device=self.device)
+        self.v_codes = torch.zeros(*shape, codec.code_bytes("v"), dtype=torch.uint8, device=self.device)
+        self.k_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
+        self.v_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
+        self.seen = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self.starts = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self._seen_host = [0] * batch_size
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def is_ring(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens held per sequence [B] (a ring holds at most its window)."""
+        return self.seen.clamp(max=self.capacity)
+
+    @property
+    def max_seen(self) -> int:
+        return max(self._seen_host)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
+
+    def reset(self) -> None:
+        self.seen.zero_()
+        self.starts.zero_()
+        self._seen_host = [0] * self.batch_size
+
+    def set_left_padding(self, num_padding: Sequence[int] | torch.Tensor) -> None:
+        """Mark the first num_padding[b] positions of sequence b as padding (never attended)."""
+        pad = torch.as_tensor(num_padding, dtype=torch.int32).reshape(-1)
+        if pad.numel() != self.batch_size or bool((pad < 0).any()):
+            raise ValueError(f"num_padding must hold {self.batch_size} non-negative ints, got {num_padding!r}")
+        self.starts.copy_(pad.to(self.device))
+
+    def slot_positions(self) -> torch.Tensor:
+        """Absolute position held by each slot [B, N] (int64); -1 for empty or padding slots."""
+        slot = torch.arange(self.capacity, device=self.device)[None, :]
+        seen = self.seen.to(torch.int64)[:, None]
+        if self.is_ring:
+            # Largest p < seen with p = slot (mod W).
+            pos = slot + self.capacity * torch.div(seen - 1 - slot, self.capacity, rounding_mode="floor")
+        else:
+            pos = slot.expand(self.batch_size, -1)
+        valid = (pos >= 0) & (pos < seen) & (pos >= self.starts.to(torch.int64)[:, None])
+        return torch.where(valid, pos, torch.full_like(pos, -1))
+
+    # -- writes --------------------------------------------------------------
+    def check_kv(self, k: torch.Tensor, v: torch.Tensor, name: str = "k/v") -> None:
+        """Validate fresh k, v [B, Hkv, T, D] against this cache."""
+        for label, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{label} dtype must be one of {FLOAT_DTYPES}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{label} is on {t.device} but the cache is on {self.device}")
+        want = (self.batch_size, self.num_kv_heads)
+        if k.dim() != 4 or tuple(k.shape[:2]) != want or k.shape[3] != self.codec.head_dim or k.shape[2] < 1:
+            raise ValueError(f"{name}: k must be [B={want[0]}, Hkv={want[1]}, T>=1, D={self.codec.head_dim}], "
+                             f"got {tuple(k.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"{name}: v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+        if v.dtype != k.dtype:
+            raise TypeError(f"{name}: v dtype {v.dtype} differs from k dtype {k.dtype}")
+
+    def _new_lengths(self, new_lengths, t: int) -> list[int]:
+        if new_lengths is None:
+            return [t] * self.batch_size
+        n = [int(x) for x in (new_lengths.tolist() if isinstance(new_lengths, torch.Tensor) else new_lengths)]
+        if len(n) != self.batch_size or any(x < 0 or x > t for x in n):
+            raise ValueError(f"new_lengths must hold {self.batch_size} ints in [0, {t}], got {new_lengths!r}")
+        return n
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, new_lengths=None, backend: str = "auto") -> None:
+        """Quantize and store k, v [B, Hkv, T, D].
+
+        `new_lengths[b]` (default T) says how many of the T tokens are real for
+        sequence b; the rest (right padding of the chunk) are not stored.  A
+        ring cache keeps the last W tokens; a contiguous cache raises
+        ValueError instead of overflowing.
+        """
+        check_backend(backend)
+        self.check_kv(k, v, "append")
+        t = k.shape[2]
+        n = self._new_lengths(new_lengths, t)
+        if not self.is_ring:
+            worst = max(s + x for s, x in zip(self._seen_host, n))
+            if worst > self.capacity:
+                raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
+                                 f"{worst} tokens, capacity is {self.capacity}")
+        if use_triton(backend, k):
+            from .kernels.quantize import quantize_append
+            n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
+            quantize_append(self, k, v, n_dev)
+        else:
+            self._append_torch(k, v, n)
+        self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
+        self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
+
+    def _append_torch(self, k: torch.Tensor, v: torch.Tensor, n: list[int]) -> None:
+        for b in range(self.batch_size):
+            first = max(0, n[b] - self.capacity)  # a ring keeps only the last W of a long chunk
+            if n[b] <= first:
+                continue
+            pos = torch.arange(self._seen_host[b] + first, self._seen_host[b] + n[b], device=self.device)
+            slots = pos % self.capacity
+            for kind, x, codes, scales in (("k", k, self.k_codes, self.k_scales),
+                                           ("v", v, self.v_codes, self.v_scales)):
+                packed = self.codec.quantize(x[b, :, first:n[b]], kind)
+                codes[b, :, slots] = packed.codes
+                scales[b, :, slots] = packed.scales
+
+    # -- reads (reference path) ------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot as K, V [B, Hkv, N, D] (pair with slot_positions()); for tests and the reference."""
+        from .codec import Packed
+        k = self.codec.dequantize(Packed(self.k_codes, self.k_scales), "k", dtype)
+        v = self.codec.dequantize(Packed(self.v_codes, self.v_scales), "v", dtype)
+        return k, v
+
+    def __repr__(self) -> str:
+        kind = f"ring W={self.sliding_window}" if self.is_ring else f"capacity={self.capacity}"
+        return (f"QuantizedKVCache(B={self.batch_size}, Hkv={self.num_kv_heads}, {kind}, "
+                f"k{self.codec.k_bits}v{self.codec.v_bits}, D={self.codec.head_dim}, "
+                f"{self.nbytes / 2**20:.2f} MiB)")

@@ -1,0 +1,195 @@
+"""TurboQuant coding of K/V vectors: the exact PyTorch reference of the format.
+
+Per vector x of length D: y = R x (randomized Hadamard), split y into norm
+blocks of min(D, 256) coordinates, store one float32 scale per block and the
+Lloyd–Max cell index of every coordinate of u = y / rms(y_block), bit-packed
+with no wasted bits.  DESIGN.md describes the format; this module is its
+definition, and the fused kernels must reproduce it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from . import codebook, rotation
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SCALE_RULES = ("rms", "corrected", "lsq")
+NORM_BLOCK = 256
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+Kind = Literal["k", "v"]
+
+# Bit planes per width: a b-bit code is split into planes of 4, 2 and 1 bits
+# (widest plane holds the low bits) so that every plane packs whole bytes and
+# a kernel loads each plane with contiguous, aligned accesses.
+_PLANES = {8: (8,), 6: (4, 2), 5: (4, 1), 4: (4,), 3: (2, 1), 2: (2,)}
+
+
+def plane_widths(bits: int) -> tuple[int, ...]:
+    return _PLANES[bits]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Compressed vectors: codes [..., D*bits/8] uint8 and scales [..., D/block] float32."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def pack_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack indices [..., D] (values < 2**bits) into [..., D*bits/8] uint8.
+
+    Plane of width w: byte j holds, at bit offset k*w, the w bits of coordinate
+    j + k*P, where P = D*w/8 is the plane's byte count ("planar" order: a 4-bit
+    plane's low nibbles are coordinates 0..D/2-1, high nibbles D/2..D-1).
+    """
+    d = idx.shape[-1]
+    lead = idx.shape[:-1]
+    idx = idx.to(torch.int32)
+    out, shift = [], 0
+    for w in plane_widths(bits):
+        per = 8 // w
+        part = ((idx >> shift) & ((1 << w) - 1)).reshape(*lead, per, d // per)
+        byte = torch.zeros_like(part[..., 0, :])
+        for k in range(per):
+            byte |= part[..., k, :] << (k * w)
+        out.append(byte)
+        shift += w
+    return torch.cat(out, dim=-1).to(torch.uint8)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """Inverse of pack_codes: [..., D*bits/8] uint8 -> [..., D] int64."""
+    lead = codes.shape[:-1]
+    codes = codes.to(torch.int64)
+    idx = torch.zeros(*lead, head_dim, dtype=torch.int64, device=codes.device)
+    offset, shift = 0, 0
+    for w in plane_widths(bits):
+        per = 8 // w
+        n = head_dim // per
+        plane = codes[..., offset:offset + n]
+        parts = [(plane >> (k * w)) & ((1 << w) - 1) for k in range(per)]
+        idx |= torch.cat(parts, dim=-1) << shift
+        offset += n
+        shift += w
+    return idx
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """Frozen description of the compressed K/V format for one head_dim."""
+
+    head_dim: int
+    k_bits: int = 4
+    v_bits: int = 4
+    scale_rule: str = "corrected"
+
+    def __post_init__(self):
+        rotation.check_head_dim(self.head_dim)
+        for name in ("k_bits", "v_bits"):
+            bits = getattr(self, name)
+            if bits not in SUPPORTED_BITS:
+                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
+
+    # -- format geometry -------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return min(self.head_dim, NORM_BLOCK)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.head_dim // self.block_size
+
+    def bits(self, kind: Kind) -> int:
+        if kind == "k":
+            return self.k_bits
+        if kind == "v":
+            return self.v_bits
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+
+    def code_bytes(self, kind: Kind) -> int:
+        """Packed code bytes per vector."""
+        return self.head_dim * self.bits(kind) // 8
+
+    def bytes_per_token(self) -> int:
+        """K+V bytes (codes and float32 scales) for one token of one KV head."""
+        scale_bytes = 4 * self.num_blocks
+        return self.code_bytes("k") + self.code_bytes("v") + 2 * scale_bytes
+
+    def bits_per_element(self) -> float:
+        """Average stored bits per K/V element, scales included."""
+        return 8 * self.bytes_per_token() / (2 * self.head_dim)
+
+    def centroids(self, kind: Kind, device=None, dtype=torch.float32) -> torch.Tensor:
+        return codebook.centroids(self.bits(kind), dtype).to(device)
+
+    # -- rotated-domain coding (what the kernels compute on) --------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"input dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"last dim must be head_dim={self.head_dim}, got shape {tuple(x.shape)}")
+
+    def quantize_rotated(self, y: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated vectors y [..., D] -> (indices [..., D] int64, scales [..., nb] float32)."""
+        bits = self.bits(kind)
+        lead = y.shape[:-1]
+        yb = y.to(torch.float32).reshape(*lead, self.num_blocks, self.block_size)
+        rms = yb.pow(2).mean(dim=-1, keepdim=True).sqrt()
+        safe = torch.where(rms > 0, rms, torch.ones_like(rms))
+        bounds = codebook.boundaries(bits).to(y.device)
+        # searchsorted(right=False) counts boundaries strictly below u: ties go to the lower cell.
+        idx = torch.searchsorted(bounds, (yb / safe).contiguous())
+        scale = rms
+        if self.scale_rule != "rms":
+            c = codebook.centroids(bits).to(y.device)[idx]
+            if self.scale_rule == "corrected":
+                scale = yb.norm(dim=-1, keepdim=True) / c.norm(dim=-1, keepdim=True)
+            else:  # least squares: argmin_s ||y_b - s c||
+                scale = (yb * c).sum(dim=-1, keepdim=True) / c.pow(2).sum(dim=-1, keepdim=True)
+            scale = torch.where(rms > 0, scale, torch.zeros_like(scale))
+        return idx.reshape(*lead, self.head_dim), scale.reshape(*lead, self.num_blocks)
+
+    def dequantize_rotated(self, idx: torch.Tensor, scales: torch.Tensor, kind: Kind,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(indices, scales) -> rotated-domain vectors ŷ = c[idx] * scale."""
+        lead = idx.shape[:-1]
+        c = codebook.centroids(self.bits(kind), dtype).to(idx.device)[idx]
+        c = c.reshape(*lead, self.num_blocks, self.block_size) * scales.to(dtype)[..., None]
+        return c.reshape(*lead, self.head_dim)
+
+    # -- public coding ----------------------------------------------------
+    def quantize(self, x: torch.Tensor, kind: Kind = "k") -> Packed:
+        """x [..., D] float -> Packed(codes [..., D*bits/8] uint8, scales [..., nb] float32)."""
+        self._check_input(x)
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        idx, scales = self.quantize_rotated(rotation.rotate(x.to(work)), kind)
+        return Packed(pack_codes(idx, self.bits(kind)), scales)
+
+    def unpack(self, packed: Packed, kind: Kind) -> torch.Tensor:
+        """Packed -> indices [..., D] int64, validating the packed shapes."""
+        self.check_packed(packed, kind)
+        return unpack_codes(packed.codes, self.bits(kind), self.head_dim)
+
+    def check_packed(self, packed: Packed, kind: Kind) -> None:
+        want = self.code_bytes(kind)
+        if packed.codes.dtype != torch.uint8 or packed.codes.shape[-1] != want:
+            raise ValueError(f"codes must be uint8 [..., {want}] for {kind}_bits={self.bits(kind)}, "
+                             f"got {packed.codes.dtype} {tuple(packed.codes.shape)}")
+        if packed.scales.shape != (*packed.codes.shape[:-1], self.num_blocks):
+            raise ValueError(f"scales must have shape {(*packed.codes.shape[:-1], self.num_blocks)}, "
+                             f"got {tuple(packed.scales.shape)}")
+
+    def dequantize(self, packed: Packed, kind: Kind = "k", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Packed -> x̂ [..., D] in the original (unrotated) domain."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        y = self.dequantize_rotated(self.unpack(packed, kind), packed.scales, kind, work)
+        return rotation.unrotate(y).to(dtype)
