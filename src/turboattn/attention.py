@@ -46,8 +46,13 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
 
     Query t of sequence b sits at position seen[b] + t when fresh k, v
     [B, Hkv, Tq, D] are given (they follow the cache, causal among
-    themselves), else at seen[b] - Tq + t (the cache already holds the chunk).
-    The cache is not modified.  Returns [B, Hq, Tq, D] in q.dtype.
+    themselves), else at seen[b] - Tq + t (the cache already holds the chunk;
+    queries are aligned to each sequence's last token).  The cache is not
+    modified.  Returns [B, Hq, Tq, D] in q.dtype.
+
+    With a ring cache and no fresh k, v, the early queries of a Tq > 1 chunk
+    cannot see keys the chunk itself overwrote; for prefill, pass the chunk as
+    fresh k, v and append it afterwards.
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a turboattn.QuantizedKVCache, got {type(cache).__name__}")
@@ -133,6 +138,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             torch.broadcast_shapes(mask.shape, (b, hq, lq, k.shape[2]))
         except RuntimeError:
             raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to {(b, hq, lq, k.shape[2])}") from None
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     _check_options(hq, q.device, scale, softcap, sinks, alibi_slopes)
 
     if use_triton(backend, q):

@@ -41,11 +41,14 @@ class QuantizedKVCache:
         self.num_kv_heads = num_kv_heads
         self.capacity = capacity
         self.sliding_window = sliding_window
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        device = torch.device(device) if device is not None else torch.device("cpu")
 
         shape = (batch_size, num_kv_heads, capacity)
         nb = codec.num_blocks
-        self.k_codes = torch.zeros(*shape, codec.code_bytes("k"), dtype=torch.uint8, device=self.device)
+        self.k_codes = torch.zeros(*shape, codec.code_bytes("k"), dtype=torch.uint8, device=device)
+        # The device tensors report ("cuda:0" for "cuda", "cpu" for "cpu:0"), so that
+        # comparisons with the inputs' devices succeed.
+        self.device = self.k_codes.device
         self.v_codes = torch.zeros(*shape, codec.code_bytes("v"), dtype=torch.uint8, device=self.device)
         self.k_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
         self.v_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
@@ -95,6 +98,27 @@ class QuantizedKVCache:
             pos = slot.expand(self.batch_size, -1)
         valid = (pos >= 0) & (pos < seen) & (pos >= self.starts.to(torch.int64)[:, None])
         return torch.where(valid, pos, torch.full_like(pos, -1))
+
+    def reserve(self, capacity: int) -> None:
+        """Grow a contiguous cache to hold `capacity` tokens per sequence, keeping its contents.
+
+        One reallocation and copy; callers that grow token by token should
+        reserve geometrically (the Hugging Face cache doubles).  A ring cache
+        has a fixed size and rejects this.
+        """
+        if self.is_ring:
+            raise ValueError(f"a ring cache holds exactly sliding_window={self.sliding_window} tokens; "
+                             f"it cannot reserve {capacity!r}")
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if capacity <= self.capacity:
+            return
+        for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :self.capacity] = old
+            setattr(self, name, new)
+        self.capacity = capacity
 
     # -- writes --------------------------------------------------------------
     def check_kv(self, k: torch.Tensor, v: torch.Tensor, name: str = "k/v") -> None:
@@ -146,7 +170,10 @@ class QuantizedKVCache:
             quantize_append(self, k, v, n_dev)
         else:
             self._append_torch(k, v, n)
-        self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
+        if new_lengths is None:
+            self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
+        else:
+            self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
         self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
 
     def _append_torch(self, k: torch.Tensor, v: torch.Tensor, n: list[int]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from numbers import Integral
 
 import torch
 
@@ -85,14 +86,15 @@ def _solve(bits: int) -> torch.Tensor:
 
 
 def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+    if isinstance(bits, bool) or not isinstance(bits, Integral) or not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
 
 
 def centroids(bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The 2**bits Lloyd–Max centroids of N(0,1), ascending."""
     _check_bits(bits)
-    return _solve(bits).to(dtype)
+    # copy=True: a caller writing into the result must not corrupt the cached table.
+    return _solve(bits).to(dtype, copy=True)
 
 
 def boundaries(bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

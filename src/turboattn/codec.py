@@ -10,6 +10,7 @@ definition, and the fused kernels must reproduce it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Literal
 
 import torch
@@ -38,6 +39,16 @@ class Packed:
 
     codes: torch.Tensor
     scales: torch.Tensor
+
+
+def cell_index(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Index of the Lloyd–Max cell holding each normalized coordinate u (int64).
+
+    Counts the float32 decision boundaries strictly below u, so a tie goes to
+    the lower cell and values beyond the ends saturate at 0 and 2**bits - 1.
+    """
+    bounds = codebook.boundaries(bits).to(u.device)
+    return torch.searchsorted(bounds, u.to(torch.float32).contiguous())
 
 
 def pack_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
@@ -92,7 +103,8 @@ class KVCodec:
         rotation.check_head_dim(self.head_dim)
         for name in ("k_bits", "v_bits"):
             bits = getattr(self, name)
-            if bits not in SUPPORTED_BITS:
+            # `4.0 in SUPPORTED_BITS` is True, and a float width breaks every size computation.
+            if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
                 raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
@@ -145,9 +157,7 @@ class KVCodec:
         yb = y.to(torch.float32).reshape(*lead, self.num_blocks, self.block_size)
         rms = yb.pow(2).mean(dim=-1, keepdim=True).sqrt()
         safe = torch.where(rms > 0, rms, torch.ones_like(rms))
-        bounds = codebook.boundaries(bits).to(y.device)
-        # searchsorted(right=False) counts boundaries strictly below u: ties go to the lower cell.
-        idx = torch.searchsorted(bounds, (yb / safe).contiguous())
+        idx = cell_index(yb / safe, bits)
         scale = rms
         if self.scale_rule != "rms":
             c = codebook.centroids(bits).to(y.device)[idx]
@@ -170,6 +180,7 @@ class KVCodec:
     def quantize(self, x: torch.Tensor, kind: Kind = "k") -> Packed:
         """x [..., D] float -> Packed(codes [..., D*bits/8] uint8, scales [..., nb] float32)."""
         self._check_input(x)
+        self.bits(kind)  # validates kind before any work
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         idx, scales = self.quantize_rotated(rotation.rotate(x.to(work)), kind)
         return Packed(pack_codes(idx, self.bits(kind)), scales)

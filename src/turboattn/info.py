@@ -10,13 +10,18 @@ from .codec import SUPPORTED_BITS, KVCodec
 from .rotation import SUPPORTED_HEAD_DIMS
 
 
-def format_rows(head_dims=SUPPORTED_HEAD_DIMS, bits=SUPPORTED_BITS):
-    """(head_dim, k_bits, v_bits, bytes/token/head, bits/element, compression vs bf16) for K=V bits."""
+def format_rows(head_dims=SUPPORTED_HEAD_DIMS, bit_pairs=None):
+    """(head_dim, k_bits, v_bits, bytes/token/head, bits/element, compression vs bf16).
+
+    `bit_pairs` defaults to every (k_bits, v_bits) pair of SUPPORTED_BITS.
+    """
+    if bit_pairs is None:
+        bit_pairs = [(kb, vb) for kb in reversed(SUPPORTED_BITS) for vb in reversed(SUPPORTED_BITS)]
     for d in head_dims:
-        for b in bits:
-            codec = KVCodec(d, b, b)
+        for kb, vb in bit_pairs:
+            codec = KVCodec(d, kb, vb)
             bf16 = 2 * 2 * d
-            yield d, b, b, codec.bytes_per_token(), codec.bits_per_element(), bf16 / codec.bytes_per_token()
+            yield d, kb, vb, codec.bytes_per_token(), codec.bits_per_element(), bf16 / codec.bytes_per_token()
 
 
 def print_info() -> None:
@@ -37,9 +42,16 @@ def print_info() -> None:
         console.print(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
     else:
         console.print("device: CPU only (kernels run under TRITON_INTERPRET=1, slowly)")
-    table = Table(title="Cache formats: K+V bytes per token per KV head (float32 scales included)")
-    for col in ("head_dim", "k_bits", "v_bits", "bytes/token", "bits/element", "vs bf16"):
-        table.add_column(col, justify="right")
+    # One row per K/V bit pair, one column per head_dim: a 144-row long table would not be read.
+    table = Table(title="Cache formats: K+V bytes per token per KV head (float32 scales included), "
+                        "and compression vs bf16")
+    table.add_column("k_bits", justify="right")
+    table.add_column("v_bits", justify="right")
+    for d in SUPPORTED_HEAD_DIMS:
+        table.add_column(f"D={d}", justify="right")
+    cells: dict[tuple[int, int], list[str]] = {}
     for d, kb, vb, nbytes, bpe, ratio in format_rows():
-        table.add_row(str(d), str(kb), str(vb), str(nbytes), f"{bpe:.3f}", f"{ratio:.2f}x")
+        cells.setdefault((kb, vb), []).append(f"{nbytes} B  {ratio:.2f}x")
+    for (kb, vb), row in cells.items():
+        table.add_row(str(kb), str(vb), *row)
     console.print(table)

@@ -8,6 +8,7 @@ costs D log2 D additions instead of a D x D product.
 from __future__ import annotations
 
 from functools import lru_cache
+from numbers import Integral
 
 import torch
 
@@ -22,7 +23,8 @@ _SIGN_TABLE = bytes.fromhex(
 
 
 def check_head_dim(head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
+    # `128.0 in SUPPORTED_HEAD_DIMS` is True; a float head_dim breaks every shape computation.
+    if isinstance(head_dim, bool) or not isinstance(head_dim, Integral) or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
 
 
@@ -35,7 +37,8 @@ def _signs_cpu(head_dim: int) -> torch.Tensor:
 def signs(head_dim: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ±1 sign vector s of length head_dim."""
     check_head_dim(head_dim)
-    return _signs_cpu(head_dim).to(device=device, dtype=dtype)
+    # copy=True: a caller writing into the result must not corrupt the cached table.
+    return _signs_cpu(head_dim).to(device=device, dtype=dtype, copy=True)
 
 
 def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,24 @@ def time_us(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
     return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def time_us_graph(fn, replays: int = 10) -> float:
+    """Median time of fn() captured in a CUDA graph (launch overhead excluded), in microseconds.
+
+    The graph holds `replays` back-to-back calls, so that the replay's own
+    launch cost is spread thin; returns the time per call.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    return time_us(graph.replay) / replays
+
+
 def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()

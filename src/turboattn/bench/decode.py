@@ -1,0 +1,84 @@
+"""`turboattn bench decode`: one decode step over the compressed cache vs torch SDPA bf16.
+
+Both sides are timed as CUDA-graph replays (what a serving engine runs), so
+the numbers are GPU time, not Python launch overhead; eager time is recorded
+too.  Bytes counted are those each method must read: ours reads packed codes and
+float32 scales for K and V (plus q/out, negligible); SDPA reads bf16 K and V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import KVCodec, QuantizedKVCache, cached_attention
+from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
+                     time_us_graph, write_results)
+
+# B, Hq, Hkv, D, L — the shapes of the issue.
+SHAPES = [(1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768), (32, 32, 8, 128, 8192),
+          (8, 16, 8, 256, 8192), (1, 16, 2, 512, 32768)]
+BITS = [(4, 4), (8, 8)]
+SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)  # context lengths for the plot, at B=8 Hq=32 Hkv=8 D=128
+
+
+def _fill_cache(codec, b, hkv, length, device) -> QuantizedKVCache:
+    cache = QuantizedKVCache(codec, b, hkv, capacity=length, device=device)
+    chunk = 8192
+    for t0 in range(0, length, chunk):
+        t = min(chunk, length - t0)
+        k = torch.randn(b, hkv, t, codec.head_dim, device=device, dtype=torch.bfloat16)
+        cache.append(k, torch.randn_like(k))
+    return cache
+
+
+def measure(shape, bits, copy_tbs, device) -> dict:
+    b, hq, hkv, d, length = shape
+    codec = KVCodec(d, *bits)
+    cache = _fill_cache(codec, b, hkv, length, device)
+    q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
+    ours_us = time_us_graph(lambda: cached_attention(q, cache))
+    ours_eager_us = time_us(lambda: cached_attention(q, cache))
+    k = torch.randn(b, hkv, length, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sdpa_us = time_us_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    ours_bytes = b * hkv * length * codec.bytes_per_token()
+    sdpa_bytes = 2 * k.numel() * k.element_size()
+    del cache, k, v
+    torch.cuda.empty_cache()
+    ours_tbs = ours_bytes / ours_us / 1e6
+    return {
+        "B": b, "Hq": hq, "Hkv": hkv, "D": d, "L": length, "k_bits": bits[0], "v_bits": bits[1],
+        "ours_us": ours_us, "ours_eager_us": ours_eager_us, "sdpa_us": sdpa_us, "speedup": sdpa_us / ours_us,
+        "ours_tbs": ours_tbs, "ours_frac_copy": ours_tbs / copy_tbs,
+        "sdpa_tbs": sdpa_bytes / sdpa_us / 1e6, "sdpa_frac_copy": sdpa_bytes / sdpa_us / 1e6 / copy_tbs,
+    }
+
+
+def run(args) -> int:
+    device = require_cuda()
+    copy_tbs = copy_bandwidth_tbs()
+    results = []
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for bits in BITS:
+        for shape in shapes:
+            results.append(measure(shape, bits, copy_tbs, device))
+    sweep = []
+    for bits in BITS:
+        for length in (SWEEP[::2] if args.quick else SWEEP):
+            sweep.append(measure((8, 32, 8, 128, length), bits, copy_tbs, device))
+    env = environment()
+    cols = ["B", "Hq", "Hkv", "D", "L", "bits", "ours µs", "SDPA µs", "speedup", "ours TB/s", "of copy",
+            "SDPA of copy"]
+    rows = [[r["B"], r["Hq"], r["Hkv"], r["D"], r["L"], f"k{r['k_bits']}v{r['v_bits']}", r["ours_us"], r["sdpa_us"],
+             f"{r['speedup']:.2f}x", r["ours_tbs"], f"{100 * r['ours_frac_copy']:.0f}%",
+             f"{100 * r['sdpa_frac_copy']:.0f}%"] for r in results + sweep]
+    print_table(f"decode, {env['gpu']}, copy bandwidth {copy_tbs:.2f} TB/s (read+write)", cols, rows)
+    write_results(args.out, "decode", {"env": env, "copy_tbs": copy_tbs, "shapes": results, "sweep": sweep})
+    series = {}
+    for bits in BITS:
+        pts = [r for r in sweep if (r["k_bits"], r["v_bits"]) == bits]
+        series[f"k{bits[0]}v{bits[1]}"] = ([r["L"] for r in pts], [r["speedup"] for r in pts])
+    plot_lines(args.out, "decode", series, "context length (tokens)", "speedup over SDPA bf16",
+               f"decode B=8 Hq=32 Hkv=8 D=128, {env['gpu']}", hline=1.0)
+    return 0

@@ -1,0 +1,194 @@
+"""Fused rotate + norm + quantize + pack + cache write, one launch per append.
+
+Grid: (token blocks, B * Hkv, 2); the last axis picks K or V.  Each program
+rotates BLOCK_T vectors on tensor cores (common.hadamard_rows), computes the
+per-block scale, finds Lloyd–Max cells by a branch-free binary search over the
+boundaries, bit-packs the planes exactly as codec.pack_codes does, and writes
+codes and scales into the cache slots (ring slots wrap modulo the window).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import codebook_tables, device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
+
+SCALE_RULE_IDS = {"rms": 0, "corrected": 1, "lsq": 2}
+
+
+@triton.jit
+def _cell_index(u, bounds_ptr, cb_ptr, BITS: tl.constexpr):
+    """(number of boundaries strictly below u, its centroid): ties go to the lower cell.
+
+    Up to 4 bits, count boundaries with broadcast scalars (no per-element memory
+    gathers, which dominate otherwise); above, a branch-free binary search.
+    """
+    if BITS <= 4:
+        idx = tl.zeros(u.shape, dtype=tl.int32)
+        c = tl.zeros(u.shape, dtype=tl.float32) + tl.load(cb_ptr)
+        for i in tl.static_range((1 << BITS) - 1):
+            above = tl.load(bounds_ptr + i) < u
+            idx += above.to(tl.int32)
+            c = tl.where(above, c + (tl.load(cb_ptr + i + 1) - tl.load(cb_ptr + i)), c)
+    else:
+        idx = tl.zeros(u.shape, dtype=tl.int32)
+        for i in tl.static_range(BITS):
+            bound = tl.load(bounds_ptr + idx + ((1 << (BITS - 1 - i)) - 1))
+            idx = tl.where(bound < u, idx + (1 << (BITS - 1 - i)), idx)
+        c = tl.load(cb_ptr + idx)
+    return idx, c
+
+
+@triton.jit
+def _encode_block(y, cb_ptr, bounds_ptr, BITS: tl.constexpr, RULE: tl.constexpr, BLK: tl.constexpr):
+    """y [R, BLK] (rotated, up to a common factor) -> (cell indices, scale per row in y's units)."""
+    sumsq = tl.sum(y * y, axis=1)
+    rms = tl.sqrt(sumsq / BLK)
+    safe = tl.where(rms > 0, rms, 1.0)
+    idx, c = _cell_index(y / safe[:, None], bounds_ptr, cb_ptr, BITS)
+    if RULE == 0:
+        scale = rms
+    else:
+        csq = tl.sum(c * c, axis=1)
+        if RULE == 1:
+            scale = tl.sqrt(sumsq) / tl.sqrt(csq)
+        else:
+            scale = tl.sum(y * c, axis=1) / csq
+        scale = tl.where(rms > 0, scale, 0.0)
+    return idx, scale
+
+
+@triton.jit
+def _plane_bytes(idx, SHIFT: tl.constexpr, W: tl.constexpr, FIRST_SLOT: tl.constexpr,
+                 R: tl.constexpr, BLK: tl.constexpr, P: tl.constexpr):
+    """This block's share of a plane of width W: byte j gets coordinate j + k*P at bit k*W."""
+    PER_BLOCK: tl.constexpr = BLK // P
+    part = tl.reshape((idx >> SHIFT) & ((1 << W) - 1), (R, PER_BLOCK, P))
+    shifts = (FIRST_SLOT + tl.arange(0, PER_BLOCK)) * W
+    return tl.sum(part << shifts[None, :, None], axis=1)
+
+
+@triton.jit
+def _store_planes(idx0, idx1, row_ptr, mask, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                  BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, VEC: tl.constexpr):
+    """Pack up to two planes (W0 low bits, W1 high bits) from one or two norm blocks and store them."""
+    BLK: tl.constexpr = D // NB
+    if W0 == 8:
+        offs = tl.arange(0, BLK)
+        tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + offs[None, :], [1, VEC]), [1, VEC]), idx0.to(tl.uint8), mask=mask[:, None])
+        if NB == 2:
+            tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + BLK + offs[None, :], [1, VEC]), [1, VEC]), idx1.to(tl.uint8), mask=mask[:, None])
+    else:
+        P0: tl.constexpr = D * W0 // 8
+        b0 = _plane_bytes(idx0, 0, W0, 0, R, BLK, P0)
+        if NB == 2:
+            b0 = b0 | _plane_bytes(idx1, 0, W0, BLK // P0, R, BLK, P0)
+        offs0 = tl.arange(0, P0)
+        tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + offs0[None, :], [1, VEC]), [1, VEC]), b0.to(tl.uint8), mask=mask[:, None])
+        if W1 > 0:
+            P1: tl.constexpr = D * W1 // 8
+            b1 = _plane_bytes(idx0, W0, W1, 0, R, BLK, P1)
+            if NB == 2:
+                b1 = b1 | _plane_bytes(idx1, W0, W1, BLK // P1, R, BLK, P1)
+            offs1 = tl.arange(0, P1)
+            tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + P0 + offs1[None, :], [1, VEC]), [1, VEC]), b1.to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
+def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
+                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, signs_ptr, had_ptr,
+                 D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                 RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr):
+    NB: tl.constexpr = 2 if D == 512 else 1
+    BLK: tl.constexpr = D // NB
+    CB: tl.constexpr = D * BITS // 8
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    valid = (offs_t < n_new) & (offs_t >= first)
+    offs_d = tl.arange(0, BLK)
+    base = x_ptr + b * sx_b + h * sx_h + offs_t[:, None] * sx_t
+    x0 = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x0 = x0 * tl.load(signs_ptr + offs_d)[None, :]
+    if NB == 2:
+        # H_512 = [[H, H], [H, -H]] with H = H_256: one butterfly, then two H_256 products.
+        x1 = tl.load(base + BLK + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x1 = x1 * tl.load(signs_ptr + BLK + offs_d)[None, :]
+        y0 = hadamard_any(x0 + x1, had_ptr, BLK)
+        y1 = hadamard_any(x0 - x1, had_ptr, BLK)
+    else:
+        y0 = hadamard_any(x0, had_ptr, BLK)
+        y1 = y0
+    idx0, s0 = _encode_block(y0, cb_ptr, bounds_ptr, BITS, RULE, BLK)
+    idx1 = idx0
+    if NB == 2:
+        idx1, s1 = _encode_block(y1, cb_ptr, bounds_ptr, BITS, RULE, BLK)
+
+    slot = slot0 + offs_t
+    if RING:
+        slot = slot % N
+    row = (b * num_kv_heads + h).to(tl.int64) * N + slot
+    _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC)
+    norm = 1.0 / tl.sqrt(D * 1.0)  # hadamard_rows is unnormalized
+    tl.store(scales_ptr + row * NB, s0 * norm, mask=valid)
+    if NB == 2:
+        tl.store(scales_ptr + row * NB + 1, s1 * norm, mask=valid)
+
+
+@triton.jit
+def _quantize_append_kernel(
+    k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+    k_codes, k_scales, v_codes, v_scales,
+    k_cb, k_bounds, v_cb, v_bounds, signs_ptr, had_ptr,
+    seen_ptr, new_len_ptr, T, N, num_kv_heads,
+    D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
+    V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
+    RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    K_VEC: tl.constexpr, V_VEC: tl.constexpr,
+):
+    t0 = tl.program_id(0) * BLOCK_T
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    n_new = T
+    if HAS_LENGTHS:
+        n_new = tl.load(new_len_ptr + b)
+    first = 0
+    if RING:
+        first = tl.maximum(n_new - N, 0)  # a ring keeps only the last N tokens of a long chunk
+    slot0 = tl.load(seen_ptr + b)
+    if tl.program_id(2) == 0:
+        _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
+                     k_codes, k_scales, k_cb, k_bounds, signs_ptr, had_ptr,
+                     D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC)
+    else:
+        _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
+                     v_codes, v_scales, v_cb, v_bounds, signs_ptr, had_ptr,
+                     D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC)
+
+
+def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor | None) -> None:
+    """Write k, v [B, Hkv, T, D] into `cache` at each sequence's next slots (cache.seen is not advanced here)."""
+    codec = cache.codec
+    d = codec.head_dim
+    b, hkv, t, _ = k.shape
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    dev = k.device
+    k_cb, k_bounds = codebook_tables(codec.k_bits, dev, torch.float32)
+    v_cb, v_bounds = codebook_tables(codec.v_bits, dev, torch.float32)
+    block_t = {64: 64, 128: 64, 256: 32, 512: 16}[d]
+    grid = (triton.cdiv(t, block_t), b * hkv, 2)
+    _quantize_append_kernel[grid](
+        k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
+        k_cb, k_bounds, v_cb, v_bounds, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
+        cache.seen, new_lengths if new_lengths is not None else cache.seen, t, cache.capacity, hkv,
+        D=d, K_BITS=codec.k_bits, K_W0=plane_pair(codec.k_bits)[0], K_W1=plane_pair(codec.k_bits)[1],
+        V_BITS=codec.v_bits, V_W0=plane_pair(codec.v_bits)[0], V_W1=plane_pair(codec.v_bits)[1],
+        RULE=SCALE_RULE_IDS[codec.scale_rule], BLOCK_T=block_t, RING=cache.is_ring,
+        HAS_LENGTHS=new_lengths is not None,
+        K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")), num_warps=4,
+    )

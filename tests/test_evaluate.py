@@ -1,0 +1,86 @@
+"""The evaluation harness: its metrics, its chunked emulation of decode steps, the corpus, cache growth."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from turboattn import KVCodec, QuantizedKVCache  # noqa: E402
+from turboattn import evaluate as ev  # noqa: E402
+from turboattn.corpus import CORPUS_INFO, corpus_text  # noqa: E402
+
+from test_hf import random_ids, teacher_forced_logits, tiny_gemma3, tiny_llama  # noqa: E402
+
+
+def test_bits_per_element_counts_scales():
+    # D=64: one float32 scale per vector adds 32/64 = 0.5 bits per element.
+    assert ev.bits_per_element("k4v4", 64) == 4.5
+    assert ev.bits_per_element("k4v3", 64) == 4.0
+    assert ev.bits_per_element("k4v4", 256) == 4.125
+    for d, names in ev.MIXED_CANDIDATES.items():
+        assert all(ev.bits_per_element(n, d) <= 4.25 for n in names)
+    with pytest.raises(ValueError, match="k4v4"):
+        ev.parse_preset("int4")
+
+
+def test_compare_metrics():
+    g = torch.Generator().manual_seed(0)
+    nll = torch.rand(200, generator=g) * 5
+    attn = [torch.randn(200, 16, generator=g) for _ in range(3)]
+    ref = {"nll": nll, "top": torch.arange(200), "attn": attn}
+    same = ev.compare(ref, ref)
+    assert same["ppl_change_pct"] == 0 and same["argmax_disagree_pct"] == 0
+    assert same["attn_cos_mean"] == pytest.approx(1, abs=1e-6)
+    # NLL up by exactly 0.01 nat per token: perplexity x exp(0.01), a zero-width interval.
+    shifted = {"nll": nll + 0.01, "top": torch.arange(200).roll(1), "attn": [-a for a in attn]}
+    m = ev.compare(ref, shifted)
+    assert m["ppl_change_pct"] == pytest.approx(100 * (math.exp(0.01) - 1), rel=1e-4)
+    assert m["ppl_change_ci95_pct"][0] == pytest.approx(m["ppl_change_ci95_pct"][1], rel=1e-3)
+    assert m["argmax_disagree_pct"] == 100 and m["attn_cos_mean"] == pytest.approx(-1, abs=1e-6)
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@torch.no_grad()
+def test_decode_emulation_equals_token_by_token(factory):
+    """The eval scores decode mode in chunks; that must equal real one-token decode steps."""
+    model = factory()
+    ids = random_ids(40)
+    exact = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode", exact_decode=True)
+                                  .make_cache(model), 12, step=1)
+    chunked = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode").make_cache(model),
+                                    12, step=14)
+    torch.testing.assert_close(chunked, exact, atol=1e-4, rtol=0)
+    strict = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "strict").make_cache(model),
+                                   12, step=14)
+    assert (strict - exact).abs().max() > 1e-2  # the modes differ, so the check above has teeth
+
+
+def test_corpus_is_the_jargon_file():
+    text = corpus_text()
+    assert len(text) > 1_000_000
+    assert "hacker" in text and "{" not in text
+    assert "public domain" in CORPUS_INFO["license"]
+
+
+def test_reserve_grows_a_contiguous_cache_and_keeps_its_contents():
+    g = torch.Generator().manual_seed(0)
+    cache = QuantizedKVCache(KVCodec(64, 4, 3), batch_size=2, num_kv_heads=3, capacity=8)
+    k, v = torch.randn(2, 3, 6, 64, generator=g), torch.randn(2, 3, 6, 64, generator=g)
+    cache.append(k, v)
+    before = cache.dequantize()
+    cache.reserve(20)
+    assert cache.capacity == 20 and cache.k_codes.shape[2] == 20
+    after = cache.dequantize()
+    for a, b in zip(before, after):
+        assert torch.equal(a, b[:, :, :8])
+    cache.append(k, v)  # 12 tokens: fits now, would have overflowed 8
+    assert cache.max_seen == 12
+    cache.reserve(4)  # never shrinks
+    assert cache.capacity == 20
+    ring = QuantizedKVCache(KVCodec(64, 4, 4), 1, 1, sliding_window=4)
+    with pytest.raises(ValueError, match="ring"):
+        ring.reserve(8)

@@ -1,0 +1,109 @@
+"""Triton compressed-cache kernels (under TRITON_INTERPRET=1 on CPU) vs their PyTorch twins."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import turboattn as ta
+from turboattn.attention import cached_attention_torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
+
+# The kernels take float16 dot operands (rotated q, softmax weights, centroids):
+# each rounding is at most 2^-11 relative; a handful of them add up.
+FP16_TOL = 4 * 2.0**-11
+BITS = (2, 3, 4, 5, 6, 8)
+# Shrinking re-runs interpreted kernels hundreds of times; the failing example is printed either way.
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _filled_cache(gen, codec, b, hkv, chunks, window=None, capacity=None, pad=None):
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=window)
+    for t in chunks:
+        k = torch.randn(b, hkv, t, codec.head_dim, generator=gen) * 2
+        cache.append(k, torch.randn(b, hkv, t, codec.head_dim, generator=gen), backend="torch")
+    if pad is not None:
+        cache.set_left_padding(pad)
+    return cache
+
+
+@settings(max_examples=12, phases=NO_SHRINK)
+@given(d=st.sampled_from([64, 128]), k_bits=st.sampled_from(BITS), v_bits=st.sampled_from(BITS),
+       group=st.integers(1, 8), tq=st.integers(1, 5), fresh=st.booleans(), window=st.sampled_from([None, 5, 16]),
+       softcap=st.sampled_from([None, 20.0]), sinks=st.booleans(), splits=st.sampled_from([None, 1, 3]),
+       seed=st.integers(0, 2**31))
+def test_cached_attention_kernel_matches_reference(d, k_bits, v_bits, group, tq, fresh, window, softcap, sinks,
+                                                  splits, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codec = ta.KVCodec(d, k_bits, v_bits)
+    b, hkv = 2, 2
+    # Chunk sizes straddle the 64-key block and, for rings, wrap around several times.
+    cache = _filled_cache(gen, codec, b, hkv, (37, 30), window=window,
+                          capacity=None if window else 67 + tq, pad=[0, 3])
+    q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
+    kf = vf = None
+    if fresh:
+        kf = torch.randn(b, hkv, tq, d, generator=gen).half()
+        vf = torch.randn(b, hkv, tq, d, generator=gen).half()
+    sink = torch.randn(hkv * group, generator=gen) if sinks else None
+    out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sink, backend="triton", num_splits=splits)
+    ref = cached_attention_torch(q, cache, kf, vf, softcap=softcap, sinks=sink, compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    # fp16 output adds one more rounding.
+    assert _rel(out, ref) < FP16_TOL + 2.0**-11
+
+
+@pytest.mark.parametrize("d", [256, 512])
+def test_cached_attention_kernel_large_head_dims(gen, d):
+    codec = ta.KVCodec(d, 4, 5)
+    cache = _filled_cache(gen, codec, 1, 2, (70,), capacity=80)
+    q = torch.randn(1, 4, 2, d, generator=gen).half()
+    kf = torch.randn(1, 2, 2, d, generator=gen).half()
+    vf = torch.randn(1, 2, 2, d, generator=gen).half()
+    out = ta.cached_attention(q, cache, kf, vf, backend="triton")
+    ref = cached_attention_torch(q, cache, kf, vf, compute_dtype=torch.float64)
+    assert _rel(out, ref) < FP16_TOL + 2.0**-11
+
+
+def test_fully_masked_rows_give_zeros_and_sinks_alone(gen):
+    """Sequence 1 is all left padding: its rows see nothing, so out = 0 (also with a sink)."""
+    codec = ta.KVCodec(64, 4, 4)
+    cache = _filled_cache(gen, codec, 2, 1, (10,), capacity=16, pad=[0, 10])
+    q = torch.randn(2, 2, 1, 64, generator=gen).half()
+    for sinks in (None, torch.randn(2, generator=gen)):
+        out = ta.cached_attention(q, cache, sinks=sinks, backend="triton")
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        ref = cached_attention_torch(q, cache, sinks=sinks, compute_dtype=torch.float64)
+        assert _rel(out[0], ref[0]) < FP16_TOL + 2.0**-11
+
+
+def test_decode_of_length_one_cache(gen):
+    codec = ta.KVCodec(64, 8, 8)
+    cache = _filled_cache(gen, codec, 1, 1, (1,), capacity=4)
+    q = torch.randn(1, 3, 1, 64, generator=gen).half()
+    out = ta.cached_attention(q, cache, backend="triton")
+    k, v = cache.dequantize(torch.float64)
+    # One visible key: the output is exactly its value.
+    assert _rel(out[0, :, 0], v[0, 0, 0].expand(3, -1)) < 2 * 2.0**-11
+
+
+def test_cache_is_not_modified(gen):
+    codec = ta.KVCodec(64, 4, 4)
+    cache = _filled_cache(gen, codec, 1, 1, (9,), capacity=16)
+    before = [t.clone() for t in (cache.k_codes, cache.v_codes, cache.k_scales, cache.v_scales, cache.seen)]
+    q = torch.randn(1, 2, 2, 64, generator=gen).half()
+    kf = torch.randn(1, 1, 2, 64, generator=gen).half()
+    ta.cached_attention(q, cache, kf, kf.clone(), backend="triton")
+    after = (cache.k_codes, cache.v_codes, cache.k_scales, cache.v_scales, cache.seen)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))

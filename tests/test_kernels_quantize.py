@@ -1,0 +1,109 @@
+"""Fused quantize-and-append kernel (under TRITON_INTERPRET=1 on CPU) vs the reference codec."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import turboattn as ta
+from turboattn import codebook, rotation
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
+
+BITS = (2, 3, 4, 5, 6, 8)
+# Shrinking re-runs interpreted kernels hundreds of times; the failing example is printed either way.
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+STATE = ("k_codes", "v_codes", "k_scales", "v_scales")
+
+
+def _pair(codec, b, hkv, **kw):
+    return (ta.QuantizedKVCache(codec, b, hkv, **kw), ta.QuantizedKVCache(codec, b, hkv, **kw))
+
+
+def _near_boundary(codec, x, kind, rel=1e-5):
+    """Coordinates whose u = y / rms lies within float rounding of a cell boundary ([..., D] bool)."""
+    y = rotation.rotate(x.double())
+    yb = y.reshape(*y.shape[:-1], codec.num_blocks, codec.block_size)
+    u = yb / yb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-300)
+    bounds = codebook.boundaries(codec.bits(kind), torch.float64)
+    gap = (u[..., None] - bounds).abs().amin(-1)
+    return (gap <= rel * (1 + u.abs())).reshape(x.shape)
+
+
+def _assert_same(fused, ref, inputs):
+    """Fused and reference caches agree; `inputs` lists every (k, v) appended so far."""
+    assert torch.equal(fused.seen, ref.seen)
+    for i, kind in enumerate(("k", "v")):
+        idx = [fused.codec.unpack(ta.Packed(getattr(c, f"{kind}_codes"), getattr(c, f"{kind}_scales")), kind)
+               for c in (fused, ref)]
+        n_diff = int((idx[0] != idx[1]).sum())
+        # Only cells decided by float rounding may differ: no more than the near-boundary coordinates.
+        near = sum(int(_near_boundary(ref.codec, kv[i], kind).sum()) for kv in inputs)
+        assert n_diff <= near
+        # Scales are float32 sums of the same squares in another order where the block's
+        # codes agree; a flipped code moves the corrected/lsq scale by at most
+        # |c_a^2 - c_b^2| / (2 |c|^2) < 5% for any table and block of >= 64 coordinates.
+        s_got, s_want = getattr(fused, f"{kind}_scales"), getattr(ref, f"{kind}_scales")
+        codec = ref.codec
+        flipped = (idx[0] != idx[1]).reshape(*idx[0].shape[:-1], codec.num_blocks, codec.block_size).any(-1)
+        rel = (s_got - s_want).abs() / s_want.abs().clamp_min(1e-30)
+        assert float(rel.masked_fill(flipped, 0.0).max()) < 1e-5
+        assert float(rel.max()) < 0.05
+
+
+@settings(max_examples=10, phases=NO_SHRINK)
+@given(d=st.sampled_from([64, 128, 256]), k_bits=st.sampled_from(BITS), v_bits=st.sampled_from(BITS),
+       rule=st.sampled_from(["rms", "corrected", "lsq"]), t=st.integers(1, 70),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
+def test_quantize_append_matches_codec(d, k_bits, v_bits, rule, t, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codec = ta.KVCodec(d, k_bits, v_bits, rule)
+    fused, ref = _pair(codec, 2, 2, capacity=t + 5)
+    k = (torch.randn(2, 2, t, d, generator=gen) * 3).to(dtype)
+    v = torch.randn(2, 2, t, d, generator=gen).to(dtype)
+    k[0, 1, 0] = 0  # zero vector: scale 0
+    fused.append(k, v, backend="triton")
+    ref.append(k, v, backend="torch")
+    _assert_same(fused, ref, [(k, v)])
+
+
+def test_quantize_append_ring_wraps_and_long_chunks(gen):
+    codec = ta.KVCodec(64, 4, 3)
+    fused, ref = _pair(codec, 2, 1, sliding_window=8)
+    inputs = []
+    for t in (5, 6, 19, 1, 3):  # wraps several times; 19 > W keeps only its last 8
+        k = torch.randn(2, 1, t, 64, generator=gen)
+        v = torch.randn(2, 1, t, 64, generator=gen)
+        fused.append(k, v, backend="triton")
+        ref.append(k, v, backend="torch")
+        inputs.append((k, v))
+        _assert_same(fused, ref, inputs)
+
+
+def test_quantize_append_ragged_lengths(gen):
+    codec = ta.KVCodec(64, 8, 2)
+    fused, ref = _pair(codec, 3, 2, capacity=30)
+    inputs = []
+    for t, lengths in ((7, [7, 2, 0]), (4, [1, 4, 3])):
+        k = torch.randn(3, 2, t, 64, generator=gen)
+        v = torch.randn(3, 2, t, 64, generator=gen)
+        fused.append(k, v, new_lengths=lengths, backend="triton")
+        ref.append(k, v, new_lengths=lengths, backend="torch")
+        inputs.append((k, v))
+    assert fused.seen.tolist() == [8, 6, 3]
+    _assert_same(fused, ref, inputs)
+
+
+def test_quantize_append_head_dim_512(gen):
+    codec = ta.KVCodec(512, 5, 4, "corrected")
+    fused, ref = _pair(codec, 1, 1, capacity=20)
+    k = torch.randn(1, 1, 17, 512, generator=gen)
+    v = torch.randn(1, 1, 17, 512, generator=gen)
+    fused.append(k, v, backend="triton")
+    ref.append(k, v, backend="torch")
+    _assert_same(fused, ref, [(k, v)])
