@@ -32,7 +32,7 @@ def markdown_table(header_start: str) -> list[list[str]]:
 
 def test_example_runs_as_written():
     blocks = python_blocks()
-    assert len(blocks) == 1
+    assert len(blocks) == 2
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__readme__"})
@@ -71,3 +71,13 @@ def test_mse_table_matches_the_codebooks():
 
 def test_design_page_is_in_the_repo():
     assert "docs/design.md" in README and (ROOT / "docs" / "design.md").is_file()
+
+
+@pytest.mark.slow
+def test_transformers_example_runs():
+    """The Hugging Face block loads the packaged model and generates with a 4-bit cache."""
+    block = python_blocks()[1]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
+    assert stdout.getvalue().strip()

@@ -33,7 +33,7 @@ def plane_widths(bits: int) -> tuple[int, ...]:
     return _PLANES[bits]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value
 class Packed:
     """Compressed vectors: codes [..., D*bits/8] uint8 and scales [..., D/block] float32."""
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import codebook
 from .common import (codebook_tables, device_signs, hadamard_any, hadamard_tile, plane_pair,
-                     row_vector_bytes)
+                     rotate_on_device, row_vector_bytes)
 
 LOG2E = 1.4426950408889634
 
@@ -83,21 +83,36 @@ def _centroid_halves(codes_ptr, rows, valid, cb_ptr, D: tl.constexpr, BITS: tl.c
 
 
 @triton.jit
-def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr):
+def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr, PRE_ROTATED: tl.constexpr):
     """Rows x [R, D] at row_ptr -> R x * factor as float16 halves, R = H (s * .) / sqrt(D).
 
     H_D = [[H, H], [H, -H]] with H = H_{D/2}: one butterfly, then two H_{D/2} products.
+    PRE_ROTATED: the host already stored R x * factor (D = 512, see cached_attention_triton).
     """
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, HALF)[None, :]
-    x_lo = tl.load(row_ptr[:, None] + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    x_hi = tl.load(row_ptr[:, None] + HALF + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x_lo = tl.load(row_ptr[:, None] + offs, mask=row_ok[:, None], other=0.0)
+    x_hi = tl.load(row_ptr[:, None] + HALF + offs, mask=row_ok[:, None], other=0.0)
+    if PRE_ROTATED:
+        return x_lo.to(tl.float16), x_hi.to(tl.float16)
+    x_lo = x_lo.to(tl.float32)
+    x_hi = x_hi.to(tl.float32)
     x_lo = x_lo * tl.load(signs_ptr + offs)
     x_hi = x_hi * tl.load(signs_ptr + HALF + offs)
     factor = factor / tl.sqrt(D * 1.0)
     y_lo = hadamard_any(x_lo + x_hi, had_ptr, HALF) * factor
     y_hi = hadamard_any(x_lo - x_hi, had_ptr, HALF) * factor
     return y_lo.to(tl.float16), y_hi.to(tl.float16)
+
+
+@triton.jit
+def _group_rows(bh, row_block, num_kv_heads, Tq, G: tl.constexpr, BLOCK: tl.constexpr):
+    """A program's rows of one GQA group: row r is query token r // G of query head kvh * G + r % G."""
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    rows_total = Tq * G
+    row = row_block * BLOCK + tl.arange(0, BLOCK)
+    return b, kvh, rows_total, row, row < rows_total, row // G, row % G
 
 
 @triton.jit
@@ -127,19 +142,13 @@ def _cached_attention_kernel(
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr, HAS_FRESH: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, K_LUT: tl.constexpr, V_LUT: tl.constexpr,
-    K_VEC: tl.constexpr, V_VEC: tl.constexpr,
+    K_VEC: tl.constexpr, V_VEC: tl.constexpr, PRE_ROTATED: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = 2 if D == 512 else 1
     split = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    rows_total = Tq * G
-    row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = row < rows_total
-    t = row // G
-    g = row % G
+    b, kvh, rows_total, row, row_ok, t, g = _group_rows(bh, tl.program_id(2), num_kv_heads, Tq, G, BLOCK_M)
 
     seen = tl.load(seen_ptr + b)
     start = tl.load(starts_ptr + b)
@@ -150,7 +159,7 @@ def _cached_attention_kernel(
 
     offs_h = tl.arange(0, HALF)
     q_row = q_ptr + (b * sq_b + (kvh * G + g) * sq_h + t * sq_t)
-    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, q_scale, D)
+    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, q_scale, D, PRE_ROTATED)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -208,7 +217,7 @@ def _cached_attention_kernel(
         for n0 in range(0, t_max + 1, BLOCK_N):
             j = n0 + offs_n
             valid = j <= t_max
-            k_lo, k_hi = _rotate_halves(kf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D)
+            k_lo, k_hi = _rotate_halves(kf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), acc=s)
             s = _finish_scores(s, SOFTCAP, softcap)
@@ -218,7 +227,7 @@ def _cached_attention_kernel(
                 keep = keep & (qpos[:, None] - pos[None, :] < window)
             s = tl.where(keep, s, float("-inf"))
             p, m, alpha, l = _online_softmax(s, m, l)
-            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D)
+            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED)
             pv = p.to(tl.float16)
             acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
             acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])
@@ -239,13 +248,7 @@ def _merge_reduce_kernel(
 ):
     HALF: tl.constexpr = D // 2
     bh = tl.program_id(0)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
-    rows_total = Tq * G
-    row = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = row < rows_total
-    t = row // G
-    g = row % G
+    b, kvh, rows_total, row, row_ok, t, g = _group_rows(bh, tl.program_id(1), num_kv_heads, Tq, G, BLOCK_R)
     head = kvh * G + g
     offs_h = tl.arange(0, HALF)
 
@@ -330,8 +333,9 @@ def decode_config(d: int) -> dict:
     """Tile and launch parameters; TURBOATTN_DECODE_CONFIG="BLOCK_N,num_warps,num_stages" overrides (benchmarks)."""
     forced = os.environ.get("TURBOATTN_DECODE_CONFIG")
     if forced:
-        block_n, warps, stages = (int(x) for x in forced.split(","))
-        return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        values = [int(x) for x in forced.split(",")]
+        config = dict(zip(("BLOCK_N", "num_warps", "num_stages", "maxnreg"), values))
+        return config
     if d == 512:
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -344,8 +348,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(device, programs: int, max_tokens: int, block_n: int) -> int:
-    """Enough splits to give every SM about two programs, but at least 4 key blocks per split."""
-    want = max(1, -(-2 * _sm_count(device) // max(programs, 1)))
+    """Enough splits to give every SM about two programs, but at least 4 key blocks per split.
+
+    TURBOATTN_PROGRAMS_PER_SM overrides the two (benchmarks).
+    """
+    per_sm = int(os.environ.get("TURBOATTN_PROGRAMS_PER_SM", "2"))
+    want = max(1, -(-per_sm * _sm_count(device) // max(programs, 1)))
     most = max(1, max_tokens // (4 * block_n))
     return min(want, most)
 
@@ -362,6 +370,14 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
     # The softmax runs in base 2: fold log2(e) into q unless softcap needs the raw scores.
     q_scale = scale if softcap is not None else scale * LOG2E
     has_fresh = k is not None
+    # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
+    # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
+    pre_rotated = d == 512
+    if pre_rotated:
+        q = (rotate_on_device(q.to(torch.float32)) * q_scale).to(torch.float16)
+        if has_fresh:
+            k = rotate_on_device(k.to(torch.float32)).to(torch.float16)
+            v = rotate_on_device(v.to(torch.float32)).to(torch.float16)
     if q.stride(3) != 1:
         q = q.contiguous()
     if has_fresh:
@@ -397,7 +413,9 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
         HAS_WINDOW=window > 0, SOFTCAP=softcap is not None,
         K_LUT=lut_asm(codec.k_bits, dev), V_LUT=lut_asm(codec.v_bits, dev),
         K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")),
+        PRE_ROTATED=pre_rotated,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),
     )
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
     block_r = 16

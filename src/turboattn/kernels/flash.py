@@ -446,7 +446,7 @@ def _decode_reduce(Opart, Mpart, Lpart, Sinks, Out, Lse,
 # ----------------------------------------------------------------------------
 
 def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Block sizes for the prefill kernel (measured on H200; see benchmarks/prefill.md)."""
+    """Block sizes for the prefill kernel (measured on H200; see BENCHMARKS.md)."""
     if device.type != "cuda":
         # Interpreter: small tiles are fast to simulate and exercise every multi-tile code path.
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, tma=False)
@@ -503,7 +503,7 @@ def _check_kv_start(kv_start, b: int, device) -> None:
 
 
 def _sdpa_serves(q, k, causal, sliding_window, mask, softcap, sinks, alibi_slopes, kv_start, return_lse) -> bool:
-    """torch SDPA computes exactly this and is at least as fast (measured: benchmarks/prefill.md)."""
+    """torch SDPA computes exactly this and is at least as fast (measured: BENCHMARKS.md)."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if mask is not None or sliding_window is not None or softcap is not None or sinks is not None:
@@ -519,7 +519,7 @@ def _sdpa_serves(q, k, causal, sliding_window, mask, softcap, sinks, alibi_slope
 
 
 # Up to this head dim torch SDPA has its flash / cuDNN kernels, measured 1.1-1.2x ahead of ours
-# for plain causal prefill on H200 (benchmarks/prefill.md); above it SDPA falls back to slower kernels.
+# for plain causal prefill on H200 (BENCHMARKS.md); above it SDPA falls back to slower kernels.
 SDPA_MAX_HEAD_DIM = 256
 # GQA through SDPA's enable_gqa (torch >= 2.5): 532-552 vs our 443-465 TFLOP/s (D=128, 32 q / 8 KV heads).
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -9,45 +9,46 @@ codes and scales into the cache slots (ring slots wrap modulo the window).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
 
-from .common import codebook_tables, device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
+from .. import codebook
+from .common import device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
 
 SCALE_RULE_IDS = {"rms": 0, "corrected": 1, "lsq": 2}
 
 
-@triton.jit
-def _cell_index(u, bounds_ptr, cb_ptr, BITS: tl.constexpr):
-    """(number of boundaries strictly below u, its centroid): ties go to the lower cell.
+# Cell search by a uniform grid over u in [GRID_LO, -GRID_LO): grid cell g holds the
+# number of boundaries below its left edge, and (checked in cell_tables) no grid cell holds more
+# than one boundary, so one table read plus one boundary compare finds the exact cell.
+GRID_LO = tl.constexpr(-8.0)
+GRID_SIZE = tl.constexpr(4096)
 
-    Up to 4 bits, count boundaries with broadcast scalars (no per-element memory
-    gathers, which dominate otherwise); above, a branch-free binary search.
-    """
-    if BITS <= 4:
-        idx = tl.zeros(u.shape, dtype=tl.int32)
-        c = tl.zeros(u.shape, dtype=tl.float32) + tl.load(cb_ptr)
-        for i in tl.static_range((1 << BITS) - 1):
-            above = tl.load(bounds_ptr + i) < u
-            idx += above.to(tl.int32)
-            c = tl.where(above, c + (tl.load(cb_ptr + i + 1) - tl.load(cb_ptr + i)), c)
-    else:
-        idx = tl.zeros(u.shape, dtype=tl.int32)
-        for i in tl.static_range(BITS):
-            bound = tl.load(bounds_ptr + idx + ((1 << (BITS - 1 - i)) - 1))
-            idx = tl.where(bound < u, idx + (1 << (BITS - 1 - i)), idx)
+
+@triton.jit
+def _cell_index(u, bounds_ptr, grid_ptr, cb_ptr, NEED_CENTROID: tl.constexpr):
+    """(number of boundaries strictly below u, its centroid or 0): ties go to the lower cell."""
+    g = ((u - GRID_LO) * (GRID_SIZE / (-2.0 * GRID_LO))).to(tl.int32)
+    g = tl.minimum(tl.maximum(g, 0), GRID_SIZE - 1)
+    below = tl.load(grid_ptr + g).to(tl.int32)
+    # bounds carries a +inf sentinel, so the last cell compares safely.
+    idx = below + (tl.load(bounds_ptr + below) < u).to(tl.int32)
+    c = 0.0
+    if NEED_CENTROID:
         c = tl.load(cb_ptr + idx)
     return idx, c
 
 
 @triton.jit
-def _encode_block(y, cb_ptr, bounds_ptr, BITS: tl.constexpr, RULE: tl.constexpr, BLK: tl.constexpr):
+def _encode_block(y, cb_ptr, bounds_ptr, grid_ptr, BITS: tl.constexpr, RULE: tl.constexpr, BLK: tl.constexpr):
     """y [R, BLK] (rotated, up to a common factor) -> (cell indices, scale per row in y's units)."""
     sumsq = tl.sum(y * y, axis=1)
     rms = tl.sqrt(sumsq / BLK)
     safe = tl.where(rms > 0, rms, 1.0)
-    idx, c = _cell_index(y / safe[:, None], bounds_ptr, cb_ptr, BITS)
+    idx, c = _cell_index(y / safe[:, None], bounds_ptr, grid_ptr, cb_ptr, RULE != 0)
     if RULE == 0:
         scale = rms
     else:
@@ -98,7 +99,7 @@ def _store_planes(idx0, idx1, row_ptr, mask, R: tl.constexpr, D: tl.constexpr, N
 
 @triton.jit
 def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, signs_ptr, had_ptr,
+                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr,
                  D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                  RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr):
     NB: tl.constexpr = 2 if D == 512 else 1
@@ -119,10 +120,10 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     else:
         y0 = hadamard_any(x0, had_ptr, BLK)
         y1 = y0
-    idx0, s0 = _encode_block(y0, cb_ptr, bounds_ptr, BITS, RULE, BLK)
+    idx0, s0 = _encode_block(y0, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK)
     idx1 = idx0
     if NB == 2:
-        idx1, s1 = _encode_block(y1, cb_ptr, bounds_ptr, BITS, RULE, BLK)
+        idx1, s1 = _encode_block(y1, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK)
 
     slot = slot0 + offs_t
     if RING:
@@ -139,7 +140,7 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
 def _quantize_append_kernel(
     k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     k_codes, k_scales, v_codes, v_scales,
-    k_cb, k_bounds, v_cb, v_bounds, signs_ptr, had_ptr,
+    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr,
     seen_ptr, new_len_ptr, T, N, num_kv_heads,
     D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
@@ -159,12 +160,26 @@ def _quantize_append_kernel(
     slot0 = tl.load(seen_ptr + b)
     if tl.program_id(2) == 0:
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                     k_codes, k_scales, k_cb, k_bounds, signs_ptr, had_ptr,
+                     k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr,
                      D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC)
     else:
         _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                     v_codes, v_scales, v_cb, v_bounds, signs_ptr, had_ptr,
+                     v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr,
                      D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC)
+
+
+@lru_cache(maxsize=None)
+def cell_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(centroids, boundaries + [inf], grid of boundary counts) float32/float32/int16 on `device`."""
+    bounds = codebook.boundaries(bits, torch.float32)
+    lo, size = GRID_LO.value, GRID_SIZE.value
+    step = -2.0 * lo / size
+    if float((bounds[1:] - bounds[:-1]).min()) <= step:
+        raise AssertionError(f"grid step {step} is not finer than the {bits}-bit boundary spacing")
+    edges = lo + step * torch.arange(size, dtype=torch.float32)
+    grid = torch.searchsorted(bounds, edges).to(torch.int16)  # boundaries strictly below each edge
+    padded = torch.cat([bounds, torch.tensor([float("inf")])])
+    return codebook.centroids(bits).to(device), padded.to(device), grid.to(device)
 
 
 def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor | None) -> None:
@@ -177,14 +192,14 @@ def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.
     if v.stride(3) != 1:
         v = v.contiguous()
     dev = k.device
-    k_cb, k_bounds = codebook_tables(codec.k_bits, dev, torch.float32)
-    v_cb, v_bounds = codebook_tables(codec.v_bits, dev, torch.float32)
+    k_cb, k_bounds, k_grid = cell_tables(codec.k_bits, dev)
+    v_cb, v_bounds, v_grid = cell_tables(codec.v_bits, dev)
     block_t = {64: 64, 128: 64, 256: 32, 512: 16}[d]
     grid = (triton.cdiv(t, block_t), b * hkv, 2)
     _quantize_append_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
-        k_cb, k_bounds, v_cb, v_bounds, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
+        k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
         cache.seen, new_lengths if new_lengths is not None else cache.seen, t, cache.capacity, hkv,
         D=d, K_BITS=codec.k_bits, K_W0=plane_pair(codec.k_bits)[0], K_W1=plane_pair(codec.k_bits)[1],
         V_BITS=codec.v_bits, V_W0=plane_pair(codec.v_bits)[0], V_W1=plane_pair(codec.v_bits)[1],
