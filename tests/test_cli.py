@@ -73,3 +73,16 @@ def test_unknown_command_exits_with_usage(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["frobnicate"])
     assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_info_prints_plain_text_without_rich(monkeypatch, capsys):
+    """torch is the one required dependency: `turboattn info` must not need rich."""
+    import sys
+
+    from turboattn.info import print_info
+    monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich...` raise ImportError
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    monkeypatch.setitem(sys.modules, "rich.table", None)
+    print_info()
+    out = capsys.readouterr().out
+    assert "k_bits" in out and "136 B  3.76x" in out  # k4v4 at D=128

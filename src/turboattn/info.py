@@ -24,34 +24,44 @@ def format_rows(head_dims=SUPPORTED_HEAD_DIMS, bit_pairs=None):
             yield d, kb, vb, codec.bytes_per_token(), codec.bits_per_element(), bf16 / codec.bytes_per_token()
 
 
-def print_info() -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A rich table when rich is installed (the bench/hf extras); plain aligned text otherwise."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        print(title)
+        for line in [columns] + rows:
+            print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+        return
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
 
+
+def print_info() -> None:
     import turboattn
 
-    console = Console()
-    console.print(f"turboattn {turboattn.__version__}  python {platform.python_version()}  torch {torch.__version__}")
+    print(f"turboattn {turboattn.__version__}  python {platform.python_version()}  torch {torch.__version__}")
     try:
         import triton
-        console.print(f"triton {triton.__version__}")
+        print(f"triton {triton.__version__}")
     except ImportError:
-        console.print("triton: not installed (PyTorch reference path only)")
+        print("triton: not installed (PyTorch reference path only)")
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        console.print(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
+        print(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
     else:
-        console.print("device: CPU only (kernels run under TRITON_INTERPRET=1, slowly)")
+        print("device: CPU only (kernels run under TRITON_INTERPRET=1, slowly)")
     # One row per K/V bit pair, one column per head_dim: a 144-row long table would not be read.
-    table = Table(title="Cache formats: K+V bytes per token per KV head (float32 scales included), "
-                        "and compression vs bf16")
-    table.add_column("k_bits", justify="right")
-    table.add_column("v_bits", justify="right")
-    for d in SUPPORTED_HEAD_DIMS:
-        table.add_column(f"D={d}", justify="right")
     cells: dict[tuple[int, int], list[str]] = {}
     for d, kb, vb, nbytes, bpe, ratio in format_rows():
         cells.setdefault((kb, vb), []).append(f"{nbytes} B  {ratio:.2f}x")
-    for (kb, vb), row in cells.items():
-        table.add_row(str(kb), str(vb), *row)
-    console.print(table)
+    _print_table("Cache formats: K+V bytes per token per KV head (float32 scales included), "
+                 "and compression vs bf16",
+                 ["k_bits", "v_bits"] + [f"D={d}" for d in SUPPORTED_HEAD_DIMS],
+                 [[str(kb), str(vb), *row] for (kb, vb), row in cells.items()])
