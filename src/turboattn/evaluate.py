@@ -347,10 +347,10 @@ def run_method(model, segments, prefill, method, recorder) -> dict:
 
 
 # -- passkey -------------------------------------------------------------------------------
-@torch.no_grad()
 PASSKEY_ANSWER_TOKENS = 12
 
 
+@torch.no_grad()
 def passkey_trial(model, tokenizer, make_cache, length: int, seed: int) -> bool:
     """Hide a 5-digit key at a random depth of `length` tokens of corpus text; ask for it back.
 
