@@ -107,3 +107,16 @@ def test_cache_is_not_modified(gen):
     ta.cached_attention(q, cache, kf, kf.clone(), backend="triton")
     after = (cache.k_codes, cache.v_codes, cache.k_scales, cache.v_scales, cache.seen)
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_head_dim_512_keeps_the_query_dtype(gen):
+    """D = 512 rotates q on the host into float16; the output must still come back in q's dtype."""
+    codec = ta.KVCodec(512, 4, 4)
+    cache = _filled_cache(gen, codec, 1, 1, (20,), capacity=24)
+    q = torch.randn(1, 2, 1, 512, generator=gen).to(torch.bfloat16)
+    out = ta.cached_attention(q, cache, backend="triton")
+    assert out.dtype == torch.bfloat16
+    ref = cached_attention_torch(q.float(), cache, compute_dtype=torch.float64)  # float32 out: no rounding
+    # One bf16 rounding of the output on top of the fp16 operand error. The interpreter casts
+    # float32 -> bf16 by truncation (up to one ulp, 2^-7 relative), the GPU rounds to nearest.
+    assert _rel(out, ref) < FP16_TOL + 2.0**-7

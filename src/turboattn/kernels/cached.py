@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 import os
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import codebook
-from .common import (codebook_tables, device_signs, hadamard_any, hadamard_tile, plane_pair,
+from .common import (device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair,
                      rotate_on_device, row_vector_bytes)
 
 LOG2E = 1.4426950408889634
@@ -326,6 +327,11 @@ def lut_asm(bits: int, device: torch.device) -> str:
     """The register-LUT lookup for 4-bit codes on CUDA; "" selects the gather path (other widths, interpreter)."""
     if bits != 4 or device.type != "cuda" or os.environ.get("TURBOATTN_LOOKUP") == "gather":
         return ""
+    return _lut4_asm_for_codebook()
+
+
+@lru_cache(maxsize=None)
+def _lut4_asm_for_codebook() -> str:
     return _lut4_asm(codebook.centroids(4, torch.float64).tolist())
 
 
@@ -376,6 +382,7 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
     # The softmax runs in base 2: fold log2(e) into q unless softcap needs the raw scores.
     q_scale = scale if softcap is not None else scale * LOG2E
     has_fresh = k is not None
+    out_dtype = q.dtype  # q may be replaced by its rotated float16 copy below
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
@@ -395,20 +402,19 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
     rows = tq * group
     block_m = 16 if rows <= 16 else 64
     row_blocks = triton.cdiv(rows, block_m)
-    block_n = decode_config(d)["BLOCK_N"]
+    config = decode_config(d)
+    block_n = config["BLOCK_N"]
     held = min(cache.max_seen, cache.capacity)
     if num_splits is None:
         num_splits = choose_num_splits(dev, b * hkv * row_blocks, held, block_n)
     parts = num_splits + int(has_fresh)
     o_part = torch.empty(b * hkv * parts * rows * d, dtype=torch.float32, device=dev)
     lse_part = torch.empty(b * hkv * parts * rows, dtype=torch.float32, device=dev)
-    k_cb = codebook_tables(codec.k_bits, dev, torch.float16)[0]
-    v_cb = codebook_tables(codec.v_bits, dev, torch.float16)[0]
+    k_cb = device_centroids(codec.k_bits, dev, torch.float16)
+    v_cb = device_centroids(codec.v_bits, dev, torch.float16)
     kw0, kw1 = plane_pair(codec.k_bits)
     vw0, vw1 = plane_pair(codec.v_bits)
     window = cache.sliding_window or 0
-    config = decode_config(d)
-    block_n = config["BLOCK_N"]
     _cached_attention_kernel[(parts, b * hkv, row_blocks)](
         q, q.stride(0), q.stride(1), q.stride(2), cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
         k_cb, v_cb, kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), cache.seen, cache.starts, o_part, lse_part,
@@ -423,7 +429,7 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
         num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),
     )
-    out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
+    out = torch.empty(b, hq, tq, d, dtype=out_dtype, device=dev)
     block_r = 16
     _merge_reduce_kernel[(b * hkv, triton.cdiv(rows, block_r))](
         o_part, lse_part, sinks if sinks is not None else lse_part, device_signs(d, dev),

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the kernel families: Hadamard rotation and code unpacking."""
+"""Shared by the kernel families: Hadamard rotation on tensor cores and device-cached tables."""
 
 from __future__ import annotations
 
@@ -25,15 +25,9 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """Unnormalized Sylvester H_n in float16 (entries ±1 are exact), cached per device."""
-    return _hadamard_cpu(n).to(device)
-
-
-@lru_cache(maxsize=None)
-def codebook_tables(bits: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(centroids, boundaries) on `device`, cached so that launches copy nothing (CUDA-graph safe)."""
-    return codebook.centroids(bits, dtype).to(device), codebook.boundaries(bits, dtype).to(device)
+def device_centroids(bits: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Codebook centroids on `device`, cached so that launches copy nothing (CUDA-graph safe)."""
+    return codebook.centroids(bits, dtype).to(device)
 
 
 @lru_cache(maxsize=None)
@@ -85,9 +79,11 @@ def hadamard_any(x, had_ptr, N: tl.constexpr):
     return tl.reshape(tl.permute(tl.join(y0, y1), (0, 2, 1)), (R, N))
 
 
+@lru_cache(maxsize=None)
 def hadamard_tile(n: int, device: torch.device) -> torch.Tensor:
-    """The H matrix that hadamard_any(., ., n) expects."""
-    return hadamard_matrix(min(n, 128), device)
+    """The H matrix that hadamard_any(., ., n) expects: unnormalized H_min(n, 128) in float16
+    (entries ±1 are exact), cached per device."""
+    return _hadamard_cpu(min(n, 128)).to(device)
 
 
 def row_vector_bytes(row_bytes: int) -> int:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import codebook
-from .common import device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
+from .common import device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
 
 SCALE_RULE_IDS = {"rms": 0, "corrected": 1, "lsq": 2}
 
@@ -179,7 +179,7 @@ def cell_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
     edges = lo + step * torch.arange(size, dtype=torch.float32)
     grid = torch.searchsorted(bounds, edges).to(torch.int16)  # boundaries strictly below each edge
     padded = torch.cat([bounds, torch.tensor([float("inf")])])
-    return codebook.centroids(bits).to(device), padded.to(device), grid.to(device)
+    return device_centroids(bits, device, torch.float32), padded.to(device), grid.to(device)
 
 
 def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor | None) -> None:
