@@ -2,7 +2,7 @@
 
 Tiny random Llama / Gemma-3 (ring caches) / Gemma-2 (softcap) models from tests/test_hf.py, moved
 to CUDA: logits with TurboQuantCache (Triton kernels) vs the fake-quantized reference cache (same
-codes, dequantized, eager attention). Prints relative logit error and argmax agreement per case.
+codes and key transform, dequantized, eager attention). Prints relative logit error and argmax agreement per case.
 """
 
 import sys
@@ -24,9 +24,10 @@ with torch.no_grad():
                 model = factory().cuda()
                 ref_model = factory(attn="eager").cuda()
                 ids = random_ids(80, batch=2).cuda()
-                got = teacher_forced_logits(model, ids, TurboQuantCache(model.config, k_bits=bits[0], v_bits=bits[1],
-                                                                        quantize_current=strict), prefill=40)
-                want = teacher_forced_logits(ref_model, ids, fake_quant_cache(ref_model, bits, strict), prefill=40)
+                cache = TurboQuantCache(model.config, k_bits=bits[0], v_bits=bits[1], quantize_current=strict)
+                got = teacher_forced_logits(model, ids, cache, prefill=40)  # 40 tokens: the key transform is fitted
+                want = teacher_forced_logits(ref_model, ids, fake_quant_cache(ref_model, bits, strict, fitted=cache),
+                                             prefill=40)
                 rel = float((got - want).norm() / want.norm())
                 agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
                 worst = max(worst, rel)

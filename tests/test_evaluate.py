@@ -44,18 +44,20 @@ def test_compare_metrics():
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("prefill", [12, 20], ids=["short-prompt", "fitted"])
 @torch.no_grad()
-def test_decode_emulation_equals_token_by_token(factory):
-    """The eval scores decode mode in chunks; that must equal real one-token decode steps."""
+def test_decode_emulation_equals_token_by_token(factory, prefill):
+    """The eval scores decode mode in chunks; that must equal real one-token decode steps
+    (with and without a key transform: a 20-token prompt fits one)."""
     model = factory()
     ids = random_ids(40)
     exact = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode", exact_decode=True)
-                                  .make_cache(model), 12, step=1)
+                                  .make_cache(model), prefill, step=1)
     chunked = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode").make_cache(model),
-                                    12, step=14)
+                                    prefill, step=14)
     torch.testing.assert_close(chunked, exact, atol=1e-4, rtol=0)
     strict = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "strict").make_cache(model),
-                                   12, step=14)
+                                   prefill, step=14)
     assert (strict - exact).abs().max() > 1e-2  # the modes differ, so the check above has teeth
 
 

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 from turboattn import KVCodec, flash_attention  # noqa: E402
 from turboattn.hf import TurboQuantCache, turboattn_attention  # noqa: E402
+from turboattn.key_transform import MIN_FIT_TOKENS  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 96
@@ -61,14 +62,22 @@ def _build(cls, cfg, attn):
 
 class FakeQuantLayer(DynamicLayer):
     """Reference: stores dequantize(quantize(k, v)); returns full-precision fresh K/V after the first chunk
-    only in decode mode (strict mode returns them quantized too)."""
+    only in decode mode (strict mode returns them quantized too).  With a key transform (shift, gain
+    [B, Hkv, D]) the keys are coded as (k - shift) * gain and mapped back after decoding."""
 
-    def __init__(self, codec: KVCodec, strict: bool):
+    def __init__(self, codec: KVCodec, strict: bool, transform=None):
         super().__init__()
-        self.codec, self.strict, self.calls = codec, strict, 0
+        self.codec, self.strict, self.calls, self.transform = codec, strict, 0, transform
+
+    def _round_trip(self, x, kind):
+        if kind == "k" and self.transform is not None:
+            shift, gain = (t[:, :, None] for t in self.transform)
+            coded = self.codec.quantize((x - shift) * gain, kind)
+            return (self.codec.dequantize(coded, kind) / gain + shift).to(x.dtype)
+        return self.codec.dequantize(self.codec.quantize(x, kind), kind, x.dtype)
 
     def update(self, k, v, *args, **kwargs):
-        fq = [self.codec.dequantize(self.codec.quantize(x, kind), kind, x.dtype) for x, kind in ((k, "k"), (v, "v"))]
+        fq = [self._round_trip(x, kind) for x, kind in ((k, "k"), (v, "v"))]
         first = self.calls == 0
         self.calls += 1
         past_k, past_v = (self.keys, self.values) if self.is_initialized else (None, None)
@@ -80,10 +89,18 @@ class FakeQuantLayer(DynamicLayer):
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
 
-def fake_quant_cache(model, bits, strict=False):
+def fake_quant_cache(model, bits, strict=False, fitted=None):
+    """The reference cache; `fitted` (a TurboQuantCache that has run) lends each layer its key transform."""
     head_dim = model.config.head_dim
     codec = KVCodec(head_dim, bits[0], bits[1])
-    return Cache(layers=[FakeQuantLayer(codec, strict) for _ in range(model.config.num_hidden_layers)])
+    n = model.config.num_hidden_layers
+    transforms = [None] * n if fitted is None else [key_transform(layer) for layer in fitted.layers]
+    return Cache(layers=[FakeQuantLayer(codec, strict, transforms[i]) for i in range(n)])
+
+
+def key_transform(layer):
+    c = layer.cache
+    return None if c.key_gain is None else (c.key_shift, c.key_gain)
 
 
 def teacher_forced_logits(model, ids, cache, prefill, step=1):
@@ -101,17 +118,42 @@ def random_ids(n, batch=1, seed=1):
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3, tiny_gemma2], ids=["llama", "gemma3", "gemma2"])
 @pytest.mark.parametrize("bits", [(4, 4), (3, 2)])
 @pytest.mark.parametrize("strict", [False, True], ids=["decode", "strict"])
+@pytest.mark.parametrize("prefill", [10, 20], ids=["short-prompt", "fitted"])
 @torch.no_grad()
-def test_cache_matches_fake_quant_reference(factory, bits, strict):
-    """Prefill + 20 decode steps (past the Gemma window of 8: the ring wraps) against the eager reference."""
+def test_cache_matches_fake_quant_reference(factory, bits, strict, prefill):
+    """Prefill + decode steps to 30 tokens (past the Gemma window of 8: the ring wraps) against the
+    eager reference.  A prompt of 20 tokens fits the key transform, one of 10 is too short for it."""
     model, ref_model = factory(), factory("eager")
     ids = random_ids(30)
-    got = teacher_forced_logits(model, ids, TurboQuantCache(model.config, *bits, quantize_current=strict), 10)
-    want = teacher_forced_logits(ref_model, ids, fake_quant_cache(ref_model, bits, strict), 10)
+    cache = TurboQuantCache(model.config, *bits, quantize_current=strict)
+    got = teacher_forced_logits(model, ids, cache, prefill)
+    # The default fit centers keys; Gemma-2 has softcap, which a shift would reach: no transform there.
+    fitted = [key_transform(layer) is not None for layer in cache.layers]
+    assert fitted == [prefill >= MIN_FIT_TOKENS and factory is not tiny_gemma2] * len(cache.layers)
+    want = teacher_forced_logits(ref_model, ids, fake_quant_cache(ref_model, bits, strict, fitted=cache), prefill)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     # Quantization must matter here, or the comparison above proves nothing.
     exact = ref_model(input_ids=ids).logits
     assert (got - exact).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma2], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("fit", ["balance", "center", "off"])
+@torch.no_grad()
+def test_each_key_fit_matches_fake_quant_reference(factory, fit):
+    """fit_keys="balance" adds channel gains (alone under Gemma-2's softcap); "off" stores keys as they come."""
+    model, ref_model = factory(), factory("eager")
+    ids = random_ids(30)
+    cache = TurboQuantCache(model.config, 4, 3, fit_keys=fit)
+    got = teacher_forced_logits(model, ids, cache, 20)
+    for layer in cache.layers:
+        c = layer.cache
+        assert (c.key_gain is not None) == (fit == "balance" or (fit == "center" and factory is tiny_llama))
+        assert c.has_key_shift == (fit != "off" and factory is tiny_llama)
+        if fit == "center" and c.key_gain is not None:
+            assert torch.equal(c.key_gain, torch.ones_like(c.key_gain))
+    want = teacher_forced_logits(ref_model, ids, fake_quant_cache(ref_model, (4, 3), fitted=cache), 20)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
@@ -138,8 +180,9 @@ def test_later_chunk_reads_compressed_prefix():
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
 @torch.no_grad()
 def test_left_padded_batch_generates_like_one_by_one(factory):
+    """Also the key transform: fitted per sequence on its real tokens (the third is too short for one)."""
     model = factory()
-    prompts = [random_ids(11, seed=2)[0], random_ids(5, seed=3)[0], random_ids(8, seed=4)[0]]
+    prompts = [random_ids(24, seed=2)[0], random_ids(18, seed=3)[0], random_ids(8, seed=4)[0]]
     width = max(p.numel() for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -192,8 +235,9 @@ def test_cache_grows_and_reports_memory():
     assert cache.layers[0].cache.capacity == 512
     per_token = KVCodec(64, 4, 3).bytes_per_token()  # 32 + 24 code bytes + 2 * 4 scale bytes
     assert per_token == 64
-    assert cache.nbytes_used() == 2 * 2 * 300 * per_token  # layers x KV heads x tokens
-    assert cache.nbytes == 2 * 2 * 512 * per_token
+    transform = 2 * 3 * 2 * 64 * 4  # layers x (shift, gain, 1/gain) x KV heads x D x float32
+    assert cache.nbytes_used() == 2 * 2 * 300 * per_token + transform  # layers x KV heads x tokens
+    assert cache.nbytes == 2 * 2 * 512 * per_token + transform
 
 
 @torch.no_grad()
@@ -212,6 +256,8 @@ def test_constructor_validation():
         TurboQuantCache(model.config, 7, 4)
     with pytest.raises(ValueError, match="scale_rule"):
         TurboQuantCache(model.config, 4, 4, scale_rule="max")
+    with pytest.raises(ValueError, match="fit_keys"):
+        TurboQuantCache(model.config, 4, 4, fit_keys=True)
     with pytest.raises(ValueError, match="attn_implementation"):
         TurboQuantCache(tiny_llama("eager").config, 4, 4)
 

@@ -107,3 +107,22 @@ def test_quantize_append_head_dim_512(gen):
     fused.append(k, v, backend="triton")
     ref.append(k, v, backend="torch")
     _assert_same(fused, ref, [(k, v)])
+
+
+@pytest.mark.parametrize("d", [64, 512])
+def test_quantize_append_applies_the_key_transform(gen, d):
+    """The kernel codes (k - shift) * gain, like the reference path (D = 512 covers the two-block rows)."""
+    codec = ta.KVCodec(d, 4, 3)
+    fused, ref = _pair(codec, 2, 2, sliding_window=12)
+    shift = torch.randn(2, 2, d, generator=gen) * 3
+    gain = torch.rand(2, 2, d, generator=gen) + 0.5
+    for cache in (fused, ref):
+        cache.set_key_transform(shift, gain)
+    inputs = []
+    for t in (9, 7):  # the second chunk wraps the ring
+        k = shift[:, :, None] + torch.randn(2, 2, t, d, generator=gen)
+        v = torch.randn(2, 2, t, d, generator=gen)
+        fused.append(k, v, backend="triton")
+        ref.append(k, v, backend="torch")
+        inputs.append((ref.stored_keys(k), v))
+    _assert_same(fused, ref, inputs)

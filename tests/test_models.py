@@ -2,10 +2,13 @@
 
 The perplexity bounds are 1.5x the changes measured with this exact protocol
 (turboattn.evaluate.quick_check: SmolLM2-135M, The Jargon File, one window of
-128 prompt + 128 decode tokens, decode mode, scale rule "corrected") on
-2026-11-21: k4v4 +10.95% (95% interval +1.4% .. +21.4%), k8v8 +0.28%.  The
-computation is deterministic on a CPU, so a change beyond 1.5x means the
-codec, the cache or the attention got worse, not noise.
+128 prompt + 128 decode tokens, decode mode, scale rule "corrected", the
+default key transform "center") on 2026-11-22: k4v4 +6.79% (95% interval +1.3% ..
++12.6%; +10.95% without the key transform), k8v8 -0.04%.  The computation is
+deterministic on a CPU, so a change beyond 1.5x means the codec, the cache or the
+attention got worse, not noise.  At 8 bits 1.5x of a number this close to 0 would
+be a bound on rounding, so the bound there is 0.3%, about the half-width of this
+protocol's 95% interval.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from turboattn.models import gguf_path, load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MEASURED_K4V4_PCT = 10.95
-MEASURED_K8V8_PCT = 0.28
+MEASURED_K4V4_PCT = 6.79
+K8V8_BOUND_PCT = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def test_perplexity_change_within_measured_bounds(smollm2):
     k8 = ev.quick_check(model, tok, "k8v8")
     assert k4["scored_tokens"] == 128
     assert k4["ppl_change_pct"] <= 1.5 * MEASURED_K4V4_PCT, k4
-    assert abs(k8["ppl_change_pct"]) <= 1.5 * MEASURED_K8V8_PCT, k8
+    assert abs(k8["ppl_change_pct"]) <= K8V8_BOUND_PCT, k8
     assert k8["attn_cos_p1"] > k4["attn_cos_p1"]  # more bits, closer attention outputs
 
 

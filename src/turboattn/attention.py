@@ -53,6 +53,11 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     With a ring cache and no fresh k, v, the early queries of a Tq > 1 chunk
     cannot see keys the chunk itself overwrote; for prefill, pass the chunk as
     fresh k, v and append it afterwards.
+
+    A cache with a key transform (QuantizedKVCache.set_key_transform) is read
+    in its stored domain: q / gain against (k - shift) * gain, which differs
+    from q . k by a per-query constant that softmax ignores.  Softcap and sinks
+    do not ignore it, so they need a transform without shift.
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a turboattn.QuantizedKVCache, got {type(cache).__name__}")
@@ -73,6 +78,9 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
     _check_options(hq, q.device, scale, softcap, sinks)
+    if cache.has_key_shift and (softcap is not None or sinks is not None):
+        raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
+                         "would see; fit it with center=False for such models")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 

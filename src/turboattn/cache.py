@@ -7,6 +7,10 @@ position p of sequence b lives in slot p (contiguous) or p mod W (ring).
 `starts[b]` marks left padding: positions < starts[b] are never attended.
 Both live on the device so that decode steps need no host synchronization;
 a host copy of `seen` makes overflow checks free.
+
+An optional key transform (key_transform.py: shift and gain [B, Hkv, D]) is
+set while the cache is empty; keys are then stored as (k - shift) * gain, and
+`dequantize` undoes it, so every reader sees keys in the model's domain.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from .codec import FLOAT_DTYPES, KVCodec
 from .dispatch import check_backend, use_triton
+from .key_transform import check_key_transform, from_stored_keys, to_stored_keys
 
 
 class QuantizedKVCache:
@@ -55,6 +60,10 @@ class QuantizedKVCache:
         self.seen = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self.starts = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self._seen_host = [0] * batch_size
+        self.key_shift: torch.Tensor | None = None
+        self.key_gain: torch.Tensor | None = None
+        self.key_gain_inv: torch.Tensor | None = None   # 1 / gain, what the kernels multiply q by
+        self._key_shifted = False
 
     # -- state ---------------------------------------------------------------
     @property
@@ -72,13 +81,40 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
+        tensors = (self.k_codes, self.v_codes, self.k_scales, self.v_scales,
+                   self.key_shift, self.key_gain, self.key_gain_inv)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def reset(self) -> None:
+        """Empty the cache for new sequences (the key transform goes too: it was fitted to the old ones)."""
         self.seen.zero_()
         self.starts.zero_()
         self._seen_host = [0] * self.batch_size
+        self.key_shift = self.key_gain = self.key_gain_inv = None
+        self._key_shifted = False
+
+    @property
+    def has_key_shift(self) -> bool:
+        """Whether the key transform shifts keys (a host flag: decode steps stay free of syncs)."""
+        return self._key_shifted
+
+    def set_key_transform(self, shift: torch.Tensor, gain: torch.Tensor) -> None:
+        """Store keys as (k - shift) * gain from now on; shift, gain [B, Hkv, D] (key_transform.py).
+
+        Only an empty cache accepts one: keys already stored were coded without it.
+        """
+        if self.max_seen:
+            raise ValueError("set_key_transform needs an empty cache: "
+                             f"it already holds up to {self.max_seen} tokens per sequence")
+        check_key_transform(shift, gain, (self.batch_size, self.num_kv_heads, self.codec.head_dim), self.device)
+        self.key_shift = shift.to(torch.float32).contiguous()
+        self.key_gain = gain.to(torch.float32).contiguous()
+        self.key_gain_inv = 1.0 / self.key_gain
+        self._key_shifted = bool(self.key_shift.any())
+
+    def stored_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k [B, Hkv, T, D] as the cache codes it: (k - shift) * gain in float32, or k without a transform."""
+        return k if self.key_gain is None else to_stored_keys(k, self.key_shift, self.key_gain)
 
     def set_left_padding(self, num_padding: Sequence[int] | torch.Tensor) -> None:
         """Mark the first num_padding[b] positions of sequence b as padding (never attended)."""
@@ -164,7 +200,7 @@ class QuantizedKVCache:
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
-        if use_triton(backend, k):
+        if use_triton(backend, k):  # the kernel applies the key transform itself
             from .kernels.quantize import quantize_append
             n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
             quantize_append(self, k, v, n_dev)
@@ -183,7 +219,7 @@ class QuantizedKVCache:
                 continue
             pos = torch.arange(self._seen_host[b] + first, self._seen_host[b] + n[b], device=self.device)
             slots = pos % self.capacity
-            for kind, x, codes, scales in (("k", k, self.k_codes, self.k_scales),
+            for kind, x, codes, scales in (("k", self.stored_keys(k), self.k_codes, self.k_scales),
                                            ("v", v, self.v_codes, self.v_scales)):
                 packed = self.codec.quantize(x[b, :, first:n[b]], kind)
                 codes[b, :, slots] = packed.codes
@@ -195,10 +231,21 @@ class QuantizedKVCache:
         from .codec import Packed
         k = self.codec.dequantize(Packed(self.k_codes, self.k_scales), "k", dtype)
         v = self.codec.dequantize(Packed(self.v_codes, self.v_scales), "v", dtype)
+        if self.key_gain is not None:
+            k = from_stored_keys(k, self.key_shift, self.key_gain)
         return k, v
+
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh k, v [B, Hkv, T, D] as this cache would give them back (coded, then decoded), in their dtype."""
+        codec = self.codec
+        k_hat = codec.dequantize(codec.quantize(self.stored_keys(k), "k"), "k", torch.float32)
+        if self.key_gain is not None:
+            k_hat = from_stored_keys(k_hat, self.key_shift, self.key_gain)
+        return k_hat.to(k.dtype), codec.dequantize(codec.quantize(v, "v"), "v", v.dtype)
 
     def __repr__(self) -> str:
         kind = f"ring W={self.sliding_window}" if self.is_ring else f"capacity={self.capacity}"
         return (f"QuantizedKVCache(B={self.batch_size}, Hkv={self.num_kv_heads}, {kind}, "
                 f"k{self.codec.k_bits}v{self.codec.v_bits}, D={self.codec.head_dim}, "
+                f"{'key transform, ' if self.key_gain is not None else ''}"
                 f"{self.nbytes / 2**20:.2f} MiB)")

@@ -11,11 +11,13 @@ Upstream: Eric S. Raymond et al., The Jargon File, version 4.4.7, 29 Dec 2003.
 from __future__ import annotations
 
 import gzip
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
 
-CORPUS_PATH = Path("/usr/share/dictd/jargon.dict.dz")
+# TURBOATTN_CORPUS points at a copy of the same file (e.g. on a GPU machine without the Debian package).
+CORPUS_PATH = Path(os.environ.get("TURBOATTN_CORPUS", "/usr/share/dictd/jargon.dict.dz"))
 CORPUS_INFO = {
     "name": "The Jargon File, version 4.4.7 (29 Dec 2003)",
     "package": "Debian dict-jargon 4.4.7 (apt-get install dict-jargon)",

@@ -79,20 +79,27 @@ def reference_method() -> Method:
     return Method("reference", "reference", lambda m: DynamicCache(config=m.config), step=256)
 
 
-def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_decode: bool = False) -> Method:
+FIT_SUFFIX = {"balance": "", "center": "-center", "off": "-nofit"}   # method names, stable across defaults
+
+
+def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_decode: bool = False,
+                 fit_keys: str | None = None) -> Method:
     """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
-    (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree)."""
-    from .hf import TurboQuantCache
+    (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
+    fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys]."""
+    from .hf import KEY_FIT_DEFAULT, TurboQuantCache
+    fit_keys = fit_keys or KEY_FIT_DEFAULT
     kb, vb = parse_preset(preset)
     strict = mode == "strict"
 
     def make(model):
-        cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict)
+        cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys)
         if not strict and not exact_decode:
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
         return cache
-    return Method(f"{preset}-{rule}-{mode}", "turboattn", make, step=1 if exact_decode else chunk,
-                  info=dict(preset=preset, rule=rule, mode=mode))
+    name = f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys]
+    return Method(name, "turboattn", make, step=1 if exact_decode else chunk,
+                  info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys))
 
 
 def _decode_emulation_class():
@@ -123,7 +130,7 @@ def _decode_emulation_class():
             t, cache, dev = q.shape[2], self.cache, q.device
             k_past, v_past = cache.dequantize(torch.float32)          # before the chunk: nothing evicted yet
             past_pos = cache.slot_positions()                           # [B, N], -1 = empty
-            k_hat, v_hat = (x.float() for x in self.round_trip(k, v))  # the chunk as the cache will hold it
+            k_hat, v_hat = (x.float() for x in cache.round_trip(k, v))  # the chunk as the cache will hold it
             q_pos = cache.seen.to(torch.int64)[:, None] + torch.arange(t, device=dev)[None]
             b = q.shape[0]
             earlier = torch.ones(t, t, dtype=torch.bool, device=dev).tril(-1)   # chunk keys before the query
@@ -202,7 +209,7 @@ def _patch_numpy_for_turboquant() -> None:
 
 def peer_strict_method(peer: str, head_dim: int, chunk: int = 256) -> Method:
     """A peer's quantizer with every token quantized once on arrival and read only quantized."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicLayer
     fq, desc = peer_quantizer(peer, head_dim)
 
     class FakeQuantLayer(DynamicLayer):
@@ -384,8 +391,9 @@ def passkey_trial(model, tokenizer, make_cache, length: int, seed: int) -> bool:
     return key in tokenizer.decode(answer).replace(" ", "")
 
 
-def passkey_accuracy(model, tokenizer, make_cache, lengths, trials) -> dict:
-    return {str(n): sum(passkey_trial(model, tokenizer, make_cache, n, 1000 * n + t) for t in range(trials)) / trials
+def passkey_hits(model, tokenizer, make_cache, lengths, trials) -> dict:
+    """{length: [hit of trial t]}; trial t of length n uses seed 1000 n + t, so every cache sees the same prompts."""
+    return {str(n): [passkey_trial(model, tokenizer, make_cache, n, 1000 * n + t) for t in range(trials)]
             for n in lengths}
 
 
@@ -396,6 +404,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of kKvV presets; 'mixed' adds the <=4.25 bits/element candidates")
     parser.add_argument("--rules", default="corrected", help="comma list of scale rules (rms, corrected, lsq)")
     parser.add_argument("--modes", default="decode,strict", help="decode (library default) and/or strict")
+    parser.add_argument("--key-fit", default="center",
+                        help="comma list of key transforms: center (library default), balance, off "
+                             "(see key_transform.py)")
     parser.add_argument("--peers", default="", help=f"every-token runs of peers: comma list from {PEERS}, or 'all'")
     parser.add_argument("--peer-defaults", default="",
                         help="peers to run also with their default 128 full-precision recent tokens (token by token)")
@@ -450,7 +461,11 @@ def run_eval(args) -> int:
     peers = list(PEERS) if args.peers == "all" else [p for p in args.peers.split(",") if p]
     peer_defaults = list(PEERS) if args.peer_defaults == "all" else [p for p in args.peer_defaults.split(",") if p]
 
-    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode) for p in presets for r in rules for m in modes]
+    fits = [f for f in args.key_fit.split(",") if f]
+    if not fits or any(f not in FIT_SUFFIX for f in fits):
+        raise SystemExit(f"--key-fit takes a comma list of {tuple(FIT_SUFFIX)}, got {args.key_fit!r}")
+    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f)
+               for p in presets for r in rules for m in modes for f in fits]
     skipped = {}
     for peer in dict.fromkeys(peers + peer_defaults):
         why = check_peer(peer)
@@ -464,7 +479,7 @@ def run_eval(args) -> int:
 
     segments = eval_tokens(tok, args.segments, args.prefill + args.scored + 1)
     recorder = AttnRecorder(model)
-    results = {}
+    results, passkey_trials = {}, {}
     out = Path(args.out or f"benchmarks/quality_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -473,7 +488,7 @@ def run_eval(args) -> int:
             "model": args.model, "head_dim": head_dim, "device": device, "dtype": str(dtype),
             "corpus": CORPUS_INFO, "segments": args.segments, "prefill": args.prefill,
             "scored_per_segment": args.scored, "results": results, "passkey": passkey or {},
-            "passkey_trials": args.passkey_trials, "skipped": skipped,
+            "passkey_trials": args.passkey_trials, "passkey_hits": passkey_trials, "skipped": skipped,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         }
 
@@ -511,10 +526,15 @@ def run_eval(args) -> int:
         from transformers import DynamicCache
         pk_methods = {"reference": lambda m: DynamicCache(config=m.config)}
         for p in [p for p in args.passkey_presets.split(",") if p]:
-            pk_methods[p] = turbo_method(p, "corrected", "decode", exact_decode=True).make_cache
+            for fit in fits:
+                pk_methods[p + FIT_SUFFIX[fit]] = turbo_method(p, "corrected", "decode", exact_decode=True,
+                                                                         fit_keys=fit).make_cache
         for name, make in pk_methods.items():
             console.print(f"passkey {name} ...")
-            passkey[name] = passkey_accuracy(model, tok, make, lengths, args.passkey_trials)
+            hits = passkey_hits(model, tok, make, lengths, args.passkey_trials)
+            passkey_trials[name] = hits
+            passkey[name] = {n: sum(h) / len(h) for n, h in hits.items()}
+            out.write_text(json.dumps(report(passkey), indent=1))
 
     final = report(passkey)
     out.write_text(json.dumps(final, indent=1))
@@ -567,7 +587,9 @@ def plot(report: dict, path: Path) -> None:
     groups = {}
     for name, r in report["results"].items():
         if r.get("family") == "turboattn":
-            groups.setdefault(f"turboattn {r['mode']} {r['rule']}", []).append(r)
+            fit = {True: "balance", False: "off"}.get(r.get("fit_keys", "balance"), r.get("fit_keys"))
+            fit = "" if fit == "balance" else f" key fit {fit}"
+            groups.setdefault(f"turboattn {r['mode']} {r['rule']}{fit}", []).append(r)
     for label, rows in sorted(groups.items()):
         rows.sort(key=lambda r: r["bits_per_element"])
         x = [r["bits_per_element"] for r in rows]
@@ -605,8 +627,8 @@ def markdown_tables(report: dict) -> str:
     res, hd = report["results"], report["head_dim"]
     lines = [f"Reference perplexity {res['reference']['ppl']:.3f}; {report['segments']} x "
              f"{report['scored_per_segment']} scored tokens; 95% intervals in brackets.", "",
-             "| preset | bits/el | rule | decode: ppl change | strict: ppl change | argmax diff (decode) "
-             "| attn cos mean / p1 (decode) |", "|---|---|---|---|---|---|---|"]
+             "| preset | bits/el | rule | key fit | decode: ppl change | strict: ppl change | argmax diff (decode) "
+             "| attn cos mean / p1 (decode) |", "|---|---|---|---|---|---|---|---|"]
 
     def pct(r):
         lo, hi = r["ppl_change_ci95_pct"]
@@ -614,13 +636,14 @@ def markdown_tables(report: dict) -> str:
     presets = dict.fromkeys(r["preset"] for r in res.values() if r.get("family") == "turboattn")
     for p in presets:
         for rule in RULES:
-            d, s = res.get(f"{p}-{rule}-decode"), res.get(f"{p}-{rule}-strict")
-            if d is None and s is None:
-                continue
-            any_row = d or s
-            lines.append(f"| {p} | {bits_per_element(p, hd):.3f} | {rule} | {pct(d) if d else ''} | "
-                         f"{pct(s) if s else ''} | {(d or s)['argmax_disagree_pct']:.1f}% | "
-                         f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")
+            for fit, suffix in FIT_SUFFIX.items():
+                d, s = res.get(f"{p}-{rule}-decode{suffix}"), res.get(f"{p}-{rule}-strict{suffix}")
+                if d is None and s is None:
+                    continue
+                any_row = d or s
+                lines.append(f"| {p} | {bits_per_element(p, hd):.3f} | {rule} | {fit} | "
+                             f"{pct(d) if d else ''} | {pct(s) if s else ''} | {any_row['argmax_disagree_pct']:.1f}% | "
+                             f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")
     peers = {k: r for k, r in res.items() if r.get("family") not in (None, "turboattn")}
     if peers:
         lines += ["", "| peer | bits | residual | ppl change | argmax diff | attn cos mean / p1 |", "|---|---|---|---|---|---|"]

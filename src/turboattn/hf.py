@@ -12,8 +12,11 @@ full K/V without dequantizing all of it, so `TurboQuantLayer.update` returns
 the fresh k, v untouched and tags the key tensor with the layer; the attention
 function (`turboattn_attention`) finds the tag and lets the layer attend:
 
-- first chunk of a sequence (prefill): `flash_attention` on the fresh K/V,
-  then the chunk is quantized into the cache;
+- first chunk of a sequence (prefill): `flash_attention` on the fresh K/V;
+  then, unless `fit_keys="off"`, the key transform is fitted to the chunk's
+  queries and keys (key_transform.py: centering, and channel balance with
+  "balance"; invisible to attention; QUALITY.md measures what it buys), and
+  the chunk is quantized into the cache;
 - later steps: `cached_attention` on the compressed cache.  By default the
   step's own new K/V take part in full precision (`cached_attention(q, cache,
   k=new, v=new)`, then `append`), which is what a decode step holds anyway;
@@ -35,8 +38,10 @@ import torch
 from .attention import cached_attention, flash_attention
 from .cache import QuantizedKVCache
 from .codec import SCALE_RULES, SUPPORTED_BITS, KVCodec
+from .key_transform import KEY_FITS, MIN_FIT_TOKENS, fit_key_transform
 
 ATTN_NAME = "turboattn"
+KEY_FIT_DEFAULT = "center"   # QUALITY.md: "balance" costs long-context retrieval
 SUPPORTED_TRANSFORMERS = ">=5.0"   # the CacheLayerMixin / AttentionInterface API; CI tests the current release
 _TAG = "_turboattn_layer"
 _INITIAL_CAPACITY = 256
@@ -55,9 +60,10 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  sliding_window: int | None = None, quantize_current: bool = False,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, fit_keys: str = KEY_FIT_DEFAULT):
         super().__init__()
         self.k_bits, self.v_bits, self.scale_rule = k_bits, v_bits, scale_rule
+        self.fit_keys = fit_keys
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.quantize_current = quantize_current
@@ -122,6 +128,12 @@ class TurboQuantLayer(CacheLayerMixin):
             keep = self._start_sequences(padding_mask, t)
             out = flash_attention(q, k, v, causal=True, sliding_window=self.sliding_window, mask=keep,
                                   scale=scale, softcap=softcap, sinks=sinks)
+            # A shift would reach softcap's tanh and the sink logit (key_transform.py).
+            center = self.fit_keys != "off" and softcap is None and sinks is None
+            balance = self.fit_keys == "balance"
+            if (center or balance) and t >= MIN_FIT_TOKENS:
+                valid = None if keep is None else keep[:, 0, 0, :]
+                cache.set_key_transform(*fit_key_transform(q, k, valid, center=center, balance=balance))
             self._append(k, v)
             return out
         if t > 1:
@@ -130,7 +142,7 @@ class TurboQuantLayer(CacheLayerMixin):
             if cache.is_ring and t > 1:
                 # Appending first could evict keys that the chunk's earlier queries still see:
                 # read the chunk through a codec round trip (what the cache will store) instead.
-                k_hat, v_hat = self.round_trip(k, v)
+                k_hat, v_hat = cache.round_trip(k, v)
                 out = cached_attention(q, cache, k_hat, v_hat, scale=scale, softcap=softcap, sinks=sinks)
                 self._append(k, v)
                 return out
@@ -139,12 +151,6 @@ class TurboQuantLayer(CacheLayerMixin):
         out = cached_attention(q, cache, k, v, scale=scale, softcap=softcap, sinks=sinks)
         self._append(k, v)
         return out
-
-    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v as the cache will hold them (quantized, then dequantized); only the fresh chunk."""
-        codec = self.cache.codec
-        return (codec.dequantize(codec.quantize(k, "k"), "k", k.dtype),
-                codec.dequantize(codec.quantize(v, "v"), "v", v.dtype))
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         cache = self.cache
@@ -199,22 +205,27 @@ class TurboQuantCache(Cache):
     Sliding-window layers (e.g. Gemma-3's local layers) get ring caches of
     exactly `sliding_window` tokens.  `max_cache_len` preallocates the full
     layers; without it they start small and double as they fill.
+    `fit_keys` picks the key transform fitted to the prompt (key_transform.py): "balance" (shift
+    and channel gain), "center" (shift only) or "off" (keys stored as they come).
     """
 
     def __init__(self, config, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
-                 quantize_current: bool = False, max_cache_len: int | None = None):
+                 quantize_current: bool = False, max_cache_len: int | None = None,
+                 fit_keys: str = KEY_FIT_DEFAULT):
         for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
             if bits not in SUPPORTED_BITS:
                 raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+        if fit_keys not in KEY_FITS:
+            raise ValueError(f"fit_keys must be one of {KEY_FITS}, got {fit_keys!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         impl = getattr(config, "_attn_implementation", None)
         if impl is not None and impl != ATTN_NAME:
             raise ValueError(f"TurboQuantCache needs the model loaded with attn_implementation={ATTN_NAME!r}, "
                              f"this config uses {impl!r}")
-        layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len)
+        layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len, fit_keys)
                   for _, window in _layer_types(config)]
         super().__init__(layers=layers)
         self.k_bits, self.v_bits, self.scale_rule = k_bits, v_bits, scale_rule
@@ -225,13 +236,15 @@ class TurboQuantCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
     def nbytes_used(self) -> int:
-        """Bytes that the tokens held now occupy (allocation slack excluded)."""
+        """Bytes that the tokens held now occupy, key transforms included (allocation slack excluded)."""
         total = 0
         for layer in self.layers:
             c = layer.cache
             if c is not None:
                 held = min(c.max_seen, c.capacity)
                 total += c.batch_size * c.num_kv_heads * held * c.codec.bytes_per_token()
+                total += sum(t.numel() * t.element_size() for t in (c.key_shift, c.key_gain, c.key_gain_inv)
+                             if t is not None)
         return total
 
 

@@ -1,6 +1,5 @@
 """GPU checks of the compressed-cache kernels at real shapes (run with `pytest -m gpu` on a CUDA machine)."""
 
-import math
 
 import pytest
 import torch
@@ -35,6 +34,10 @@ CASES = [
     (512, (4, 4), 1, 2, 8, 9000, None, 1, False, None, False),
     (512, (8, 5), 1, 2, 16, 3000, 700, 3, True, 30.0, True),
     (128, (4, 4), 3, 2, 4, 2000, None, 300, True, None, False),
+    # D = 64 with 64-row tiles and one side on the 4-bit asm LUT: miscompiled before the gather fallback.
+    (64, (4, 3), 1, 3, 3, 1500, None, 12, True, None, False),
+    (64, (3, 4), 1, 3, 3, 1500, None, 12, True, None, False),
+    (64, (4, 5), 2, 2, 8, 700, 256, 8, False, None, True),
 ]
 
 
@@ -93,12 +96,16 @@ def test_quantize_append_matches_codec(d, bits):
         assert rel.max() < 0.05
 
 
-def test_decode_step_replays_in_cuda_graph():
+@pytest.mark.parametrize("fit", [False, True], ids=["plain", "key-transform"])
+def test_decode_step_replays_in_cuda_graph(fit):
+    from turboattn.key_transform import fit_key_transform
     torch.manual_seed(0)
     codec = ta.KVCodec(128, 4, 4)
     b, hkv, g, d = 4, 8, 4, 128
     cache = ta.QuantizedKVCache(codec, b, hkv, capacity=4096, device="cuda")
     k = torch.randn(b, hkv, 3000, d, device="cuda", dtype=torch.bfloat16)
+    if fit:
+        cache.set_key_transform(*fit_key_transform(torch.randn(b, hkv * g, 3000, d, device="cuda"), k + 2))
     cache.append(k, torch.randn_like(k))
     q = torch.randn(b, hkv * g, 1, d, device="cuda", dtype=torch.bfloat16)
     k_new = torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16)
@@ -127,3 +134,27 @@ def test_decode_step_replays_in_cuda_graph():
         ref = cached_attention_torch(q, cache, k_new, v_new, compute_dtype=torch.float64)
         cache.seen.copy_(seen_before + 1)
         assert _rel(out, ref) < TOL + 2.0 ** -9
+
+
+@pytest.mark.parametrize("center", [True, False], ids=["centered", "gain-only+softcap+sinks"])
+def test_key_transform_matches_reference(center):
+    """A fitted key transform at a real shape: Triton (stored domain) vs the reference (model domain)."""
+    from turboattn.key_transform import fit_key_transform
+    torch.manual_seed(1)
+    d, b, hkv, g, length = 128, 2, 4, 4, 5000
+    codec = ta.KVCodec(d, 4, 4)
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=length + 1, device="cuda")
+    offset = 4 * torch.randn(b, hkv, 1, d, device="cuda")
+    k = (offset + torch.randn(b, hkv, length, d, device="cuda") * torch.linspace(0.2, 3, d, device="cuda"))
+    k = k.to(torch.bfloat16)
+    q_prompt = torch.randn(b, hkv * g, length, d, device="cuda", dtype=torch.bfloat16)
+    cache.set_key_transform(*fit_key_transform(q_prompt, k, center=center))
+    cache.append(k, torch.randn_like(k))
+    q = torch.randn(b, hkv * g, 1, d, device="cuda", dtype=torch.bfloat16)
+    k_new = (offset + torch.randn(b, hkv, 1, d, device="cuda")).to(torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    options = {} if center else {"softcap": 30.0, "sinks": torch.randn(hkv * g, device="cuda")}
+    out = ta.cached_attention(q, cache, k_new, v_new, **options)
+    ref = cached_attention_torch(q, cache, k_new, v_new, compute_dtype=torch.float64, **options)
+    # bf16 q / gain and transformed fresh keys add roundings of 2^-9 each.
+    assert _rel(out, ref) < TOL + 3 * 2.0 ** -9

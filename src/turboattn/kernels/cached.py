@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import codebook
+from ..key_transform import to_stored_queries
 from .common import (device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair,
                      rotate_on_device, row_vector_bytes)
 
@@ -84,11 +85,14 @@ def _centroid_halves(codes_ptr, rows, valid, cb_ptr, D: tl.constexpr, BITS: tl.c
 
 
 @triton.jit
-def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr, PRE_ROTATED: tl.constexpr):
-    """Rows x [R, D] at row_ptr -> R x * factor as float16 halves, R = H (s * .) / sqrt(D).
+def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr, PRE_ROTATED: tl.constexpr,
+                   sub_ptr, mul_ptr, AFFINE: tl.constexpr, SUB: tl.constexpr):
+    """Rows x [R, D] at row_ptr -> R x' * factor as float16 halves, R = H (s * .) / sqrt(D).
 
-    H_D = [[H, H], [H, -H]] with H = H_{D/2}: one butterfly, then two H_{D/2} products.
-    PRE_ROTATED: the host already stored R x * factor (D = 512, see cached_attention_triton).
+    x' = (x - sub) * mul with per-channel vectors [D] (the key transform) when AFFINE (sub only
+    when SUB), else x' = x.  H_D = [[H, H], [H, -H]] with H = H_{D/2}: one butterfly, then two
+    H_{D/2} products.  PRE_ROTATED: the host already stored R x' * factor (D = 512, see
+    cached_attention_triton).
     """
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, HALF)[None, :]
@@ -98,6 +102,12 @@ def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr,
         return x_lo.to(tl.float16), x_hi.to(tl.float16)
     x_lo = x_lo.to(tl.float32)
     x_hi = x_hi.to(tl.float32)
+    if AFFINE:
+        if SUB:
+            x_lo = x_lo - tl.load(sub_ptr + offs)
+            x_hi = x_hi - tl.load(sub_ptr + HALF + offs)
+        x_lo = x_lo * tl.load(mul_ptr + offs)
+        x_hi = x_hi * tl.load(mul_ptr + HALF + offs)
     x_lo = x_lo * tl.load(signs_ptr + offs)
     x_hi = x_hi * tl.load(signs_ptr + HALF + offs)
     factor = factor / tl.sqrt(D * 1.0)
@@ -138,12 +148,14 @@ def _finish_scores(s, SOFTCAP: tl.constexpr, softcap):
 def _cached_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_codes, k_scales, v_codes, v_scales, k_cb, v_cb,
     kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr,
+    key_shift_ptr, key_gain_ptr, key_gain_inv_ptr,
     q_scale, softcap, Tq, N, window, num_kv_heads, num_splits,
     D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr, HAS_FRESH: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, K_LUT: tl.constexpr, V_LUT: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, PRE_ROTATED: tl.constexpr,
+    KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = 2 if D == 512 else 1
@@ -160,7 +172,11 @@ def _cached_attention_kernel(
 
     offs_h = tl.arange(0, HALF)
     q_row = q_ptr + (b * sq_b + (kvh * G + g) * sq_h + t * sq_t)
-    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, q_scale, D, PRE_ROTATED)
+    # Key transform (key_transform.py): scores are taken in the stored domain, q / gain against
+    # (k - shift) * gain; a per-query constant apart from q . k, which softmax ignores.
+    xf = (b * num_kv_heads + kvh) * D
+    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, q_scale, D, PRE_ROTATED,
+                                key_shift_ptr + xf, key_gain_inv_ptr + xf, KEY_XFORM, False)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -218,7 +234,8 @@ def _cached_attention_kernel(
         for n0 in range(0, t_max + 1, BLOCK_N):
             j = n0 + offs_n
             valid = j <= t_max
-            k_lo, k_hi = _rotate_halves(kf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED)
+            k_lo, k_hi = _rotate_halves(kf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
+                                        key_shift_ptr + xf, key_gain_ptr + xf, KEY_XFORM, KEY_SHIFT)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), acc=s)
             s = _finish_scores(s, SOFTCAP, softcap)
@@ -228,7 +245,8 @@ def _cached_attention_kernel(
                 keep = keep & (qpos[:, None] - pos[None, :] < window)
             s = tl.where(keep, s, float("-inf"))
             p, m, alpha, l = _online_softmax(s, m, l)
-            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED)
+            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
+                                        key_shift_ptr, key_gain_ptr, False, False)
             pv = p.to(tl.float16)
             acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
             acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])
@@ -386,7 +404,12 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
+    key_xform = cache.key_gain is not None
     if pre_rotated:
+        if key_xform:  # the host rotates, so it applies the key transform too
+            q = to_stored_queries(q.to(torch.float32), cache.key_gain)
+            k = None if k is None else cache.stored_keys(k)
+            key_xform = False
         q = (rotate_on_device(q.to(torch.float32)) * q_scale).to(torch.float16)
         if has_fresh:
             k = rotate_on_device(k.to(torch.float32)).to(torch.float16)
@@ -415,17 +438,24 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
     kw0, kw1 = plane_pair(codec.k_bits)
     vw0, vw1 = plane_pair(codec.v_bits)
     window = cache.sliding_window or 0
+    k_lut, v_lut = lut_asm(codec.k_bits, dev), lut_asm(codec.v_bits, dev)
+    if d == 64 and block_m == 64 and bool(k_lut) != bool(v_lut):
+        # Triton 3.6 miscompiles this mix (one side through the asm LUT, the other through the
+        # gather) at D = 64 with 64-row tiles: illegal shared-memory reads or NaN on an H200
+        # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
+        k_lut = v_lut = ""
     _cached_attention_kernel[(parts, b * hkv, row_blocks)](
         q, q.stride(0), q.stride(1), q.stride(2), cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
         k_cb, v_cb, kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), cache.seen, cache.starts, o_part, lse_part,
         device_signs(d, dev), hadamard_tile(d // 2, dev),
+        *(cache.key_shift, cache.key_gain, cache.key_gain_inv) if key_xform else (o_part,) * 3,
         float(q_scale), float(softcap or 0.0), tq, cache.capacity, window, hkv, num_splits,
         D=d, G=group, K_BITS=codec.k_bits, K_W0=kw0, K_W1=kw1, V_BITS=codec.v_bits, V_W0=vw0, V_W1=vw1,
         BLOCK_M=block_m, BLOCK_N=block_n, RING=cache.is_ring, HAS_FRESH=has_fresh,
         HAS_WINDOW=window > 0, SOFTCAP=softcap is not None,
-        K_LUT=lut_asm(codec.k_bits, dev), V_LUT=lut_asm(codec.v_bits, dev),
+        K_LUT=k_lut, V_LUT=v_lut,
         K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")),
-        PRE_ROTATED=pre_rotated,
+        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and cache.has_key_shift,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),
     )

@@ -99,9 +99,10 @@ def _store_planes(idx0, idx1, row_ptr, mask, R: tl.constexpr, D: tl.constexpr, N
 
 @triton.jit
 def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr,
+                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, sub_ptr, mul_ptr,
                  D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                 RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr):
+                 RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr,
+                 AFFINE: tl.constexpr):
     NB: tl.constexpr = 2 if D == 512 else 1
     BLK: tl.constexpr = D // NB
     CB: tl.constexpr = D * BITS // 8
@@ -110,10 +111,15 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     offs_d = tl.arange(0, BLK)
     base = x_ptr + b * sx_b + h * sx_h + offs_t[:, None] * sx_t
     x0 = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    xf = (b * num_kv_heads + h) * D
+    if AFFINE:  # the key transform: (x - shift) * gain
+        x0 = (x0 - tl.load(sub_ptr + xf + offs_d)[None, :]) * tl.load(mul_ptr + xf + offs_d)[None, :]
     x0 = x0 * tl.load(signs_ptr + offs_d)[None, :]
     if NB == 2:
         # H_512 = [[H, H], [H, -H]] with H = H_256: one butterfly, then two H_256 products.
         x1 = tl.load(base + BLK + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        if AFFINE:
+            x1 = (x1 - tl.load(sub_ptr + xf + BLK + offs_d)[None, :]) * tl.load(mul_ptr + xf + BLK + offs_d)[None, :]
         x1 = x1 * tl.load(signs_ptr + BLK + offs_d)[None, :]
         y0 = hadamard_any(x0 + x1, had_ptr, BLK)
         y1 = hadamard_any(x0 - x1, had_ptr, BLK)
@@ -140,12 +146,12 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
 def _quantize_append_kernel(
     k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     k_codes, k_scales, v_codes, v_scales,
-    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr,
+    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
     seen_ptr, new_len_ptr, T, N, num_kv_heads,
     D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    K_VEC: tl.constexpr, V_VEC: tl.constexpr,
+    K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BLOCK_T
     bh = tl.program_id(1)
@@ -160,12 +166,12 @@ def _quantize_append_kernel(
     slot0 = tl.load(seen_ptr + b)
     if tl.program_id(2) == 0:
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                     k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr,
-                     D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC)
+                     k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
+                     D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM)
     else:
         _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                     v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr,
-                     D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC)
+                     v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
+                     D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False)
 
 
 @lru_cache(maxsize=None)
@@ -183,8 +189,11 @@ def cell_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor | None) -> None:
-    """Write k, v [B, Hkv, T, D] into `cache` at each sequence's next slots (cache.seen is not advanced here)."""
+    """Write k, v [B, Hkv, T, D] into `cache` at each sequence's next slots (cache.seen is not advanced here).
+
+    k is in the model's domain: the kernel applies the cache's key transform, if any."""
     codec = cache.codec
+    key_xform = cache.key_gain is not None
     d = codec.head_dim
     b, hkv, t, _ = k.shape
     if k.stride(3) != 1:
@@ -200,10 +209,12 @@ def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
         k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
+        *(cache.key_shift, cache.key_gain) if key_xform else (k_cb, k_cb),
         cache.seen, new_lengths if new_lengths is not None else cache.seen, t, cache.capacity, hkv,
         D=d, K_BITS=codec.k_bits, K_W0=plane_pair(codec.k_bits)[0], K_W1=plane_pair(codec.k_bits)[1],
         V_BITS=codec.v_bits, V_W0=plane_pair(codec.v_bits)[0], V_W1=plane_pair(codec.v_bits)[1],
         RULE=SCALE_RULE_IDS[codec.scale_rule], BLOCK_T=block_t, RING=cache.is_ring,
         HAS_LENGTHS=new_lengths is not None,
-        K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")), num_warps=4,
+        K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")),
+        KEY_XFORM=key_xform, num_warps=4,
     )
