@@ -173,3 +173,19 @@ def test_transform_changes_nothing_but_the_coding_error(gen):
             errors[fit, bits] = _rel(ta.cached_attention(q, cache, backend="torch"), exact)
     assert errors[True, 8] < 0.75 * errors[False, 8], errors
     assert errors[True, 4] < 0.75 * errors[False, 4], errors
+
+
+@needs_triton
+def test_head_dim_512_applies_the_transform_on_the_host(gen):
+    """D = 512 rotates q and fresh keys on the host, so the transform is applied there too."""
+    d = 512
+    codec = ta.KVCodec(d, 4, 4)
+    cache = ta.QuantizedKVCache(codec, 1, 1, capacity=24)
+    k = _offset_keys(gen, 1, 1, 20, d)
+    cache.set_key_transform(*fit_key_transform(torch.randn(1, 2, 20, d, generator=gen), k))
+    cache.append(k, torch.randn(1, 1, 20, d, generator=gen), backend="torch")
+    q = torch.randn(1, 2, 1, d, generator=gen).half()
+    kf, vf = _offset_keys(gen, 1, 1, 1, d).half(), torch.randn(1, 1, 1, d, generator=gen).half()
+    out = ta.cached_attention(q, cache, kf, vf, backend="triton")
+    ref = cached_attention_torch(q, cache, kf, vf, compute_dtype=torch.float64)
+    assert _rel(out, ref) < FP16_TOL

@@ -379,8 +379,9 @@ def passkey_trial(model, tokenizer, make_cache, length: int, seed: int) -> bool:
     ctx_ids = tokenizer(context, return_tensors="pt").input_ids.to(model.device)
     q_ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
     cache = make_cache(model)
-    model(input_ids=ctx_ids, past_key_values=cache, use_cache=True)
-    logits = model(input_ids=q_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+    # Only the question's last position is read: logits_to_keep=1 spares a [T, vocab] matrix (262k wide for Gemma).
+    model(input_ids=ctx_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = model(input_ids=q_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     answer = []
     # 12 tokens: Gemma spends one token per digit and often starts with a word (" a 22286."), so 6
     # tokens cut the key short and scored the wording, not the retrieval (QUALITY.md, passkey).
