@@ -81,9 +81,14 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.k_codes, self.v_codes, self.k_scales, self.v_scales,
-                   self.key_shift, self.key_gain, self.key_gain_inv)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        codes = sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
+        return codes + self.key_transform_nbytes
+
+    @property
+    def key_transform_nbytes(self) -> int:
+        """Bytes of the key transform (shift, gain, 1/gain), a fixed cost independent of length."""
+        return sum(t.numel() * t.element_size() for t in (self.key_shift, self.key_gain, self.key_gain_inv)
+                   if t is not None)
 
     def reset(self) -> None:
         """Empty the cache for new sequences (the key transform goes too: it was fitted to the old ones)."""

@@ -243,8 +243,7 @@ class TurboQuantCache(Cache):
             if c is not None:
                 held = min(c.max_seen, c.capacity)
                 total += c.batch_size * c.num_kv_heads * held * c.codec.bytes_per_token()
-                total += sum(t.numel() * t.element_size() for t in (c.key_shift, c.key_gain, c.key_gain_inv)
-                             if t is not None)
+                total += c.key_transform_nbytes
         return total
 
 
