@@ -7,8 +7,8 @@ the new token); this measures them in CUDA-graph time at the decode benchmark's 
 import torch
 
 import turboattn as ta
-from turboattn.bench.common import time_us_graph
-from turboattn.key_transform import fit_key_transform
+from turboattn.cli.bench.common import time_us_graph
+from turboattn.format.key_transform import fit_key_transform
 
 SHAPES = [(8, 32768, 128), (1, 32768, 128), (32, 8192, 128), (8, 8192, 256)]   # B, L, D; 32 q / 8 KV heads
 print("| B | L | D | no transform (us) | key transform (us) | ratio |")

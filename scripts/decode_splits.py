@@ -4,8 +4,8 @@ import os
 
 import torch
 
-from turboattn.bench.common import copy_bandwidth_tbs
-from turboattn.bench.decode import SHAPES, measure
+from turboattn.cli.bench.common import copy_bandwidth_tbs
+from turboattn.cli.bench.decode import SHAPES, measure
 
 copy = copy_bandwidth_tbs()
 for setting in ("8,64,4,3", "2,64,4,3", "8,32,4,3"):

@@ -10,8 +10,8 @@ import os
 import torch
 
 import turboattn as ta
-from turboattn.bench.common import copy_bandwidth_tbs, time_us_graph
-from turboattn.bench.decode import _fill_cache
+from turboattn.cli.bench.common import copy_bandwidth_tbs, time_us_graph
+from turboattn.cli.bench.decode import _fill_cache
 
 VARIANTS = [  # (lookup, config, programs per SM)
     ("lut", "64,4,3", 2), ("lut", "32,4,3", 2), ("lut", "32,4,3", 4), ("lut", "32,4,3", 8),

@@ -90,8 +90,8 @@ def rel_err(out, ref) -> float:
 
 def run_check(name: str, b, hq, hkv, lq, lk, d, dtype=None, kv_start=None, mask_kind=None, config=None,
               path=None, skip_compare=False, **kw) -> dict:
-    from turboattn.kernels.flash import flash_attention_triton, flash_path
-    from turboattn.reference import attention_reference
+    from turboattn.ops.flash.triton import flash_attention_triton, flash_path
+    from turboattn.ops.flash.naive import attention_reference
     dtype = dtype or BF16
     lq, lk, d = L(lq) if lq > 1 else lq, L(lk), Dm(d)
     g = torch.Generator(device=DEV).manual_seed(hash(name) % 2**31)
@@ -149,7 +149,7 @@ def run_check(name: str, b, hq, hkv, lq, lk, d, dtype=None, kv_start=None, mask_
 
 def check_skip_equal(name, d) -> dict:
     """Tile skipping must not change results: the masked visit-all path gives identical numbers."""
-    from turboattn.kernels.flash import flash_attention_triton
+    from turboattn.ops.flash.triton import flash_attention_triton
     lq = lk = L(2000)
     d = Dm(d)
     q = torch.randn(2, 4, lq, d, device=DEV).to(BF16)
@@ -240,13 +240,13 @@ def time_fn(fn, rep_ms=200):
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    from turboattn.bench.common import time_us
+    from turboattn.cli.bench.common import time_us
     return time_us(fn, warmup_ms=30, rep_ms=rep_ms)
 
 
 def timing(results):
     import torch.nn.functional as F
-    from turboattn.kernels.flash import flash_attention_triton
+    from turboattn.ops.flash.triton import flash_attention_triton
     rows = []
     dims = (64, 128) if TINY else (512, 256, 128, 64)
     for d in dims:

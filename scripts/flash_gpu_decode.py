@@ -7,9 +7,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from turboattn.bench.common import time_us  # noqa: E402
-from turboattn.bench.prefill import graph_time_us, measure_decode  # noqa: E402
-from turboattn.kernels.flash import flash_attention_triton  # noqa: E402
+from turboattn.cli.bench.common import time_us  # noqa: E402
+from turboattn.cli.bench.prefill import graph_time_us, measure_decode  # noqa: E402
+from turboattn.ops.flash.triton import flash_attention_triton  # noqa: E402
 
 CONFIGS = {"n16w4s4": dict(BLOCK_N=16, num_warps=4, num_stages=4),
            "n32w4s3": dict(BLOCK_N=32, num_warps=4, num_stages=3),

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import turboattn as ta
-from turboattn.key_transform import fit_key_transform
+from turboattn.format.key_transform import fit_key_transform
 
 prompt = int(sys.argv[1]) if len(sys.argv) > 1 else 1500
 for bits in ((4, 3), (4, 4), (8, 8), (5, 3)):

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import turboattn as ta
-from turboattn import cli, codebook
-from turboattn.codec import SUPPORTED_BITS
-from turboattn.rotation import SUPPORTED_HEAD_DIMS
+from turboattn.cli import main as cli
+from turboattn.format import codebook
+from turboattn.format.codec import SUPPORTED_BITS
+from turboattn.format.rotation import SUPPORTED_HEAD_DIMS
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def test_info(capsys, wide):
 
 
 def test_demo(capsys, wide):
-    from turboattn.demo import PRESETS
+    from turboattn.cli.demo import PRESETS
     assert cli.main(["demo", "--synthetic"]) == 0
     rows = {row[0]: row[1:] for row in table_rows(capsys.readouterr().out)}
     assert set(rows) == {f"k{kb}v{vb}" for kb, vb in PRESETS}
@@ -79,7 +80,7 @@ def test_info_prints_plain_text_without_rich(monkeypatch, capsys):
     """torch is the one required dependency: `turboattn info` must not need rich."""
     import sys
 
-    from turboattn.info import print_info
+    from turboattn.cli.info import print_info
     monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich...` raise ImportError
     monkeypatch.setitem(sys.modules, "rich.console", None)
     monkeypatch.setitem(sys.modules, "rich.table", None)

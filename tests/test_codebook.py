@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from turboattn import codebook
+from turboattn.format import codebook
 
 ALL_BITS = range(codebook.MIN_BITS, codebook.MAX_BITS + 1)
 TABLE_4BIT = (0.1283950, 0.3880483, 0.6567591, 0.9423405, 1.2562312, 1.6180464, 2.0690172, 2.7325896)
@@ -147,7 +147,7 @@ def test_returned_tables_are_copies():
 
 
 def test_no_table_is_computed_at_import():
-    code = "import turboattn, turboattn.codebook as c; print(c._solve.cache_info().currsize)"
+    code = "import turboattn, turboattn.format.codebook as c; print(c._solve.cache_info().currsize)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0"
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turboattn as ta
-from turboattn import codebook, codec as codec_mod, rotation
-from turboattn.codec import SCALE_RULES, SUPPORTED_BITS, cell_index, pack_codes, unpack_codes
+from turboattn.format import codebook, codec as codec_mod, rotation
+from turboattn.format.codec import SCALE_RULES, SUPPORTED_BITS, cell_index, pack_codes, unpack_codes
 
 DIMS = rotation.SUPPORTED_HEAD_DIMS
 U32 = 2.0**-24

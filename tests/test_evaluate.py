@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("transformers")
 
 from turboattn import KVCodec, QuantizedKVCache  # noqa: E402
-from turboattn import evaluate as ev  # noqa: E402
-from turboattn.corpus import CORPUS_INFO, corpus_text  # noqa: E402
+from turboattn.cli import eval as ev  # noqa: E402
+from turboattn.cli.corpus import CORPUS_INFO, corpus_text  # noqa: E402
 
 from test_hf import random_ids, teacher_forced_logits, tiny_gemma3, tiny_llama  # noqa: E402
 

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import turboattn as ta  # noqa: E402
-from turboattn.kernels.flash import flash_attention_triton, flash_path  # noqa: E402
-from turboattn.reference import attention_reference  # noqa: E402
+from turboattn.ops.flash.triton import flash_attention_triton, flash_path  # noqa: E402
+from turboattn.ops.flash.naive import attention_reference  # noqa: E402
 
 # Relative error budgets vs float64: fp16 operands and fp16 P round at ~5e-4 each;
 # fp32 runs with IEEE dots (float32 accumulation over <= 64 keys).

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 from turboattn import KVCodec, flash_attention  # noqa: E402
 from turboattn.hf import TurboQuantCache, turboattn_attention  # noqa: E402
-from turboattn.key_transform import MIN_FIT_TOKENS  # noqa: E402
+from turboattn.format.key_transform import MIN_FIT_TOKENS  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 96

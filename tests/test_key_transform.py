@@ -9,8 +9,8 @@ import torch
 
 import turboattn as ta
 from turboattn.attention import cached_attention_torch
-from turboattn.key_transform import MIN_FIT_TOKENS, fit_key_transform
-from turboattn.reference import attention_reference
+from turboattn.format.key_transform import MIN_FIT_TOKENS, fit_key_transform
+from turboattn.ops.flash.naive import attention_reference
 
 needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                   reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")

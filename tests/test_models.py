@@ -22,10 +22,10 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from turboattn import evaluate as ev  # noqa: E402
-from turboattn.corpus import corpus_text  # noqa: E402
+from turboattn.cli import eval as ev  # noqa: E402
+from turboattn.cli.corpus import corpus_text  # noqa: E402
 from turboattn.hf import TurboQuantCache  # noqa: E402
-from turboattn.models import gguf_path, load_model  # noqa: E402
+from turboattn.cli.models import gguf_path, load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_gemma3_ring_caches_keep_8bit_tokens():
 
 
 def test_demo_answers_with_both_caches(capsys, monkeypatch):
-    from turboattn import cli
+    from turboattn.cli import main as cli
     monkeypatch.setenv("COLUMNS", "200")
     assert cli.main(["demo", "--max-new-tokens", "8", "--eval-tokens", "16"]) == 0
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import turboattn as ta
-from turboattn import codebook
+from turboattn.format import codebook
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from naive import UNIT_ROUNDOFF, float32_attention_tolerance, naive_attention
 
 import turboattn as ta
-from turboattn.reference import attention_reference
+from turboattn.ops.flash.naive import attention_reference
 
 F64_TOL = dict(rtol=1e-10, atol=1e-12)
 

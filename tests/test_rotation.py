@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from turboattn import rotation
+from turboattn.format import rotation
 
 DIMS = (64, 128, 256, 512)
 # DESIGN.md's table, copied as printed there (not from rotation.py).

@@ -2,7 +2,7 @@
 
 from .attention import cached_attention, flash_attention
 from .cache import QuantizedKVCache
-from .codec import KVCodec, Packed
+from .format.codec import KVCodec, Packed
 
 __version__ = "0.1.0"
 

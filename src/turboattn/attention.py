@@ -7,8 +7,8 @@ import math
 import torch
 
 from .cache import QuantizedKVCache
-from .dispatch import use_triton
-from .reference import attention_reference
+from .ops.backend import use_triton
+from .ops.flash.naive import attention_reference
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -85,7 +85,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
     if use_triton(backend, q):
-        from .kernels.cached import cached_attention_triton
+        from .ops.cached.triton import cached_attention_triton
         return cached_attention_triton(q, cache, k, v, scale, softcap, sinks, num_splits)
     return cached_attention_torch(q, cache, k, v, scale, softcap, sinks)
 
@@ -151,7 +151,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_options(hq, q.device, scale, softcap, sinks, alibi_slopes)
 
     if use_triton(backend, q):
-        from .kernels.flash import flash_attention_triton
+        from .ops.flash.triton import flash_attention_triton
         return flash_attention_triton(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
                                       scale=scale, softcap=softcap, sinks=sinks,
                                       alibi_slopes=alibi_slopes, return_lse=return_lse)

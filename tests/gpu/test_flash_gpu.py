@@ -18,8 +18,8 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 
 
 def _run(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16, kv_start=None, mask=None, **kw):
-    from turboattn.kernels.flash import flash_attention_triton
-    from turboattn.reference import attention_reference
+    from turboattn.ops.flash.triton import flash_attention_triton
+    from turboattn.ops.flash.naive import attention_reference
     q = torch.randn(b, hq, lq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
     v = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
@@ -73,7 +73,7 @@ def test_decode_d512_gqa8(lk):
 
 
 def test_tile_skipping_changes_nothing():
-    from turboattn.kernels.flash import flash_attention_triton
+    from turboattn.ops.flash.triton import flash_attention_triton
     q = torch.randn(2, 4, 1500, 512, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 2, 1500, 512, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -89,8 +89,8 @@ def test_tile_skipping_changes_nothing():
 def test_public_entry_point_sdpa_dispatch(hkv):
     """Plain causal D<=256 goes to torch SDPA (measured faster); it must compute the same thing."""
     import turboattn as ta
-    from turboattn.kernels.flash import flash_path
-    from turboattn.reference import attention_reference
+    from turboattn.ops.flash.triton import flash_path
+    from turboattn.ops.flash.naive import attention_reference
     q = torch.randn(1, 16, 600, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, hkv, 600, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)

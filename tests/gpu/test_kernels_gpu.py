@@ -98,7 +98,7 @@ def test_quantize_append_matches_codec(d, bits):
 
 @pytest.mark.parametrize("fit", [False, True], ids=["plain", "key-transform"])
 def test_decode_step_replays_in_cuda_graph(fit):
-    from turboattn.key_transform import fit_key_transform
+    from turboattn.format.key_transform import fit_key_transform
     torch.manual_seed(0)
     codec = ta.KVCodec(128, 4, 4)
     b, hkv, g, d = 4, 8, 4, 128
@@ -139,7 +139,7 @@ def test_decode_step_replays_in_cuda_graph(fit):
 @pytest.mark.parametrize("center", [True, False], ids=["centered", "gain-only+softcap+sinks"])
 def test_key_transform_matches_reference(center):
     """A fitted key transform at a real shape: Triton (stored domain) vs the reference (model domain)."""
-    from turboattn.key_transform import fit_key_transform
+    from turboattn.format.key_transform import fit_key_transform
     torch.manual_seed(1)
     d, b, hkv, g, length = 128, 2, 4, 4, 5000
     codec = ta.KVCodec(d, 4, 4)

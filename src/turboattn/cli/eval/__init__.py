@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .codec import KVCodec
-from .corpus import CORPUS_INFO, corpus_text
+from ...format.codec import KVCodec
+from ..corpus import CORPUS_INFO, corpus_text
 
 MAIN_PRESETS = ("k8v8", "k6v6", "k5v5", "k4v4", "k4v3", "k3v3", "k2v2")
 # Mixed candidates at <= 4.25 bits/element, counting the float32 scales (per head_dim).
@@ -87,7 +87,7 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
     """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
     (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
     fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys]."""
-    from .hf import KEY_FIT_DEFAULT, TurboQuantCache
+    from ...hf import KEY_FIT_DEFAULT, TurboQuantCache
     fit_keys = fit_keys or KEY_FIT_DEFAULT
     kb, vb = parse_preset(preset)
     strict = mode == "strict"
@@ -103,8 +103,8 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
 
 
 def _decode_emulation_class():
-    from .hf import TurboQuantLayer
-    from .reference import attention_reference
+    from ...hf import TurboQuantLayer
+    from ...ops.flash.naive import attention_reference
 
     class DecodeEmulationLayer(TurboQuantLayer):
         """Scores a chunk of T teacher-forced tokens as T decode steps would, in one call (eval only).
@@ -441,7 +441,7 @@ def run_eval(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from .models import load_model
+    from ..models import load_model
 
     console = Console()
     if args.markdown:

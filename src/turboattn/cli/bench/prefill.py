@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import flash_attention
+from ... import flash_attention
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
                      write_results)
 
@@ -45,12 +45,12 @@ def _qkv(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16):
 
 
 def _triton(q, k, v, **kw):
-    from ..kernels.flash import flash_attention_triton
+    from ...ops.flash.triton import flash_attention_triton
     return flash_attention_triton(q, k, v, allow_sdpa=False, **kw)
 
 
 def measure_prefill(d: int, length: int, heads: int = HEADS, tokens: int = TOKENS, rep_ms: float = 300) -> dict:
-    from ..kernels.flash import flash_path
+    from ...ops.flash.triton import flash_path
     b = max(1, tokens // length)
     q, k, v = _qkv(b, heads, heads, length, length, d)
     flops = 4 * d * b * heads * visible_pairs(length, length, True, None)
@@ -102,7 +102,7 @@ def graph_time_us(fn, rep_ms: float = 200) -> float | None:
 
 def measure_decode(length: int, d: int = 512, hq: int = 16, hkv: int = 2, b: int = 1,
                    copy_tbs: float | None = None, rep_ms: float = 200) -> dict:
-    from ..kernels.flash import flash_path
+    from ...ops.flash.triton import flash_path
     q, k, v = _qkv(b, hq, hkv, 1, length, d)
     path = flash_path(q, k)
     ours_us = time_us(lambda: flash_attention(q, k, v, causal=True), rep_ms=rep_ms)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import KVCodec, QuantizedKVCache, cached_attention
+from ... import KVCodec, QuantizedKVCache, cached_attention
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
                      time_us_graph, write_results)
 

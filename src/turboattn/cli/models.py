@@ -73,7 +73,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device=None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "turboattn":
-        from . import hf  # registers the attention implementation
+        from .. import hf  # registers the attention implementation
         hf.register()
     # HF_HUB_OFFLINE keeps transformers from asking a hub for anything.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .codec import KVCodec
+from ..format.codec import KVCodec
 
 PRESETS = ((8, 8), (6, 6), (5, 4), (4, 4), (4, 3), (3, 3), (2, 2))
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -39,8 +39,8 @@ def run_demo(args) -> int:
     from rich.table import Table
     from transformers import DynamicCache
 
-    from . import evaluate as ev
-    from .hf import TurboQuantCache
+    from . import eval as ev
+    from ..hf import TurboQuantCache
     from .models import MODELS, load_model
 
     console = Console()

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import codebook
-from ..key_transform import to_stored_queries
-from .common import (device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair,
+from ...format import codebook
+from ...format.key_transform import to_stored_queries
+from ..triton_lib import (device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair,
                      rotate_on_device, row_vector_bytes)
 
 LOG2E = 1.4426950408889634

@@ -6,8 +6,8 @@ import platform
 
 import torch
 
-from .codec import SUPPORTED_BITS, KVCodec
-from .rotation import SUPPORTED_HEAD_DIMS
+from ..format.codec import SUPPORTED_BITS, KVCodec
+from ..format.rotation import SUPPORTED_HEAD_DIMS
 
 
 def format_rows(head_dims=SUPPORTED_HEAD_DIMS, bit_pairs=None):

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .codec import FLOAT_DTYPES, KVCodec
-from .dispatch import check_backend, use_triton
-from .key_transform import check_key_transform, from_stored_keys, to_stored_keys
+from ..format.codec import FLOAT_DTYPES, KVCodec
+from ..ops.backend import check_backend, use_triton
+from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 
 
 class QuantizedKVCache:
@@ -206,7 +206,7 @@ class QuantizedKVCache:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
         if use_triton(backend, k):  # the kernel applies the key transform itself
-            from .kernels.quantize import quantize_append
+            from ..ops.quantize.triton import quantize_append
             n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
             quantize_append(self, k, v, n_dev)
         else:
@@ -233,7 +233,7 @@ class QuantizedKVCache:
     # -- reads (reference path) ------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot as K, V [B, Hkv, N, D] (pair with slot_positions()); for tests and the reference."""
-        from .codec import Packed
+        from ..format.codec import Packed
         k = self.codec.dequantize(Packed(self.k_codes, self.k_scales), "k", dtype)
         v = self.codec.dequantize(Packed(self.v_codes, self.v_scales), "v", dtype)
         if self.key_gain is not None:

@@ -23,7 +23,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from .evaluate import run_eval
+    from .eval import run_eval
     return run_eval(args)
 
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="model-quality evaluation of cache presets")
     try:
-        from .evaluate import add_arguments as eval_args
+        from .eval import add_arguments as eval_args
     except ImportError:  # evaluate needs the hf extra
         eval_args = None
     if eval_args is not None:

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import codebook
-from .common import device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
+from ...format import codebook
+from ..triton_lib import device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
 
 SCALE_RULE_IDS = {"rms": 0, "corrected": 1, "lsq": 2}
 

@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import codebook
-from ..codec import plane_widths
-from ..rotation import signs, walsh_hadamard
+from ..format import codebook
+from ..format.codec import plane_widths
+from ..format.rotation import signs, walsh_hadamard
 
 
 def plane_pair(bits: int) -> tuple[int, int]:

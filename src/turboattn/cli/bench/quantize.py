@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import KVCodec, QuantizedKVCache
+from ... import KVCodec, QuantizedKVCache
 from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, time_us, write_results
 
 CASES = [(1, 8, 128, 32768, (4, 4)), (1, 8, 128, 32768, (8, 8)), (1, 8, 128, 32768, (5, 3)),

@@ -1,0 +1,1 @@
+"""Every kernel beside its PyTorch twin and its launch policy, one folder per op."""
