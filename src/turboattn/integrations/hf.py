@@ -9,8 +9,10 @@ How the pieces meet.  A transformers attention module calls
 `past_key_values.update(k, v, layer_idx)` and then the registered attention
 function with whatever update returned.  A quantized cache cannot hand back
 full K/V without dequantizing all of it, so `TurboQuantLayer.update` returns
-the fresh k, v untouched and tags the key tensor with the layer; the attention
-function (`turboattn_attention`) finds the tag and lets the layer attend:
+the fresh k, v untouched and hands itself to the attention function through a
+per-thread slot (`_handoff`; update and attention run back to back in every
+attention module); the attention function (`turboattn_attention`) takes the
+layer from the slot and lets it attend:
 
 - first chunk of a sequence (prefill): `flash_attention` on the fresh K/V;
   then, unless `fit_keys="off"`, the key transform is fitted to the chunk's
@@ -33,6 +35,8 @@ left padding is supported, as produced by tokenizers with padding_side="left".
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..attention import cached_attention, flash_attention
@@ -43,13 +47,21 @@ from ..format.key_transform import KEY_FITS, MIN_FIT_TOKENS, fit_key_transform
 ATTN_NAME = "turboattn"
 KEY_FIT_DEFAULT = "center"   # QUALITY.md: "balance" costs long-context retrieval
 SUPPORTED_TRANSFORMERS = ">=5.0"   # the CacheLayerMixin / AttentionInterface API; CI tests the current release
-_TAG = "_turboattn_layer"
 _INITIAL_CAPACITY = 256
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as e:  # pragma: no cover - exercised only without the hf extra
     raise ImportError("turboattn.hf needs transformers>=5.0: pip install 'turboattn[hf]'") from e
+
+# The layer whose update() ran last and whose attention call is still due, per thread.
+_handoff = threading.local()
+
+
+def _take_pending_layer():
+    layer = getattr(_handoff, "layer", None)
+    _handoff.layer = None
+    return layer
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -69,7 +81,6 @@ class TurboQuantLayer(CacheLayerMixin):
         self.quantize_current = quantize_current
         self.max_cache_len = max_cache_len
         self.cache: QuantizedKVCache | None = None
-        self._pending = False
 
     def __repr__(self):
         return f"TurboQuantLayer({self.cache!r})"
@@ -89,11 +100,11 @@ class TurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self._pending:
+        if getattr(_handoff, "layer", None) is not None:
+            _handoff.layer = None
             raise RuntimeError("TurboQuantCache was updated twice without attending: load the model with "
                                f"attn_implementation={ATTN_NAME!r} (import turboattn.hf registers it)")
-        self._pending = True
-        setattr(key_states, _TAG, self)
+        _handoff.layer = self
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -108,7 +119,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.cache is not None:
             self.cache.reset()
-        self._pending = False
+        _handoff.layer = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TurboQuantCache does not support beam search yet")
@@ -121,7 +132,6 @@ class TurboQuantLayer(CacheLayerMixin):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None,
                scale: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of q [B, Hq, T, D] over this layer's past plus the fresh k, v; then store k, v."""
-        self._pending = False
         cache, t = self.cache, q.shape[2]
         past = cache.max_seen
         if past == 0:
@@ -134,7 +144,7 @@ class TurboQuantLayer(CacheLayerMixin):
             if (center or balance) and t >= MIN_FIT_TOKENS:
                 valid = None if keep is None else keep[:, 0, 0, :]
                 cache.set_key_transform(*fit_key_transform(q, k, valid, center=center, balance=balance))
-            self._append(k, v)
+            self.store(k, v)
             return out
         if t > 1:
             self._check_no_new_padding(padding_mask, t)
@@ -144,15 +154,16 @@ class TurboQuantLayer(CacheLayerMixin):
                 # read the chunk through a codec round trip (what the cache will store) instead.
                 k_hat, v_hat = cache.round_trip(k, v)
                 out = cached_attention(q, cache, k_hat, v_hat, scale=scale, softcap=softcap, sinks=sinks)
-                self._append(k, v)
+                self.store(k, v)
                 return out
-            self._append(k, v)
+            self.store(k, v)
             return cached_attention(q, cache, scale=scale, softcap=softcap, sinks=sinks)
         out = cached_attention(q, cache, k, v, scale=scale, softcap=softcap, sinks=sinks)
-        self._append(k, v)
+        self.store(k, v)
         return out
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize k, v [B, Hkv, T, D] into this layer's cache, growing it when it has no fixed size."""
         cache = self.cache
         need = cache.max_seen + k.shape[2]
         if not cache.is_ring and need > cache.capacity:
@@ -255,7 +266,7 @@ def turboattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if dropout:
         raise ValueError(f"turboattn attention is inference-only, got dropout={dropout}")
     sinks = None if s_aux is None else s_aux.to(torch.float32)
-    layer = getattr(key, _TAG, None)
+    layer = _take_pending_layer()
     if layer is not None:
         if layer.sliding_window != sliding_window:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: the cache was built for "

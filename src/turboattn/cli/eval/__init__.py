@@ -126,7 +126,6 @@ def _decode_emulation_class():
         def attend(self, q, k, v, padding_mask, scale, softcap, sinks):
             if self.cache.max_seen == 0 or q.shape[2] == 1:
                 return super().attend(q, k, v, padding_mask, scale, softcap, sinks)
-            self._pending = False
             t, cache, dev = q.shape[2], self.cache, q.device
             k_past, v_past = cache.dequantize(torch.float32)          # before the chunk: nothing evicted yet
             past_pos = cache.slot_positions()                           # [B, N], -1 = empty
@@ -142,7 +141,7 @@ def _decode_emulation_class():
                                       causal=True, sliding_window=self.sliding_window, mask=keep, scale=scale,
                                       softcap=softcap, sinks=sinks, q_positions=q_pos,
                                       k_positions=torch.cat([past_pos, q_pos, q_pos], 1))
-            self._append(k, v)
+            self.store(k, v)
             return out
 
     return DecodeEmulationLayer
