@@ -1,21 +1,19 @@
 """Bad input raises a clear ValueError / TypeError, naming the argument, before any work.
 
 `no_work` replaces the functions that do the work (the rotation, the codec's
-coding, the attention math, the kernels' import) with ones that fail the test,
+coding, and every op implementation behind the torch ops) with ones that fail the test,
 so an error that surfaces only after work started is caught.  A device
 mismatch is faked on a CPU-only machine with the 'meta' device.
 """
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 import torch
 
 import turboattn as ta
-from turboattn import attention
 from turboattn.format import codec as codec_mod, rotation
+from turboattn.ops import backend
 
 
 def _forbidden(*args, **kwargs):
@@ -27,16 +25,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(rotation, "walsh_hadamard", _forbidden)
     monkeypatch.setattr(codec_mod.KVCodec, "quantize_rotated", _forbidden)
     monkeypatch.setattr(codec_mod.KVCodec, "dequantize_rotated", _forbidden)
-    monkeypatch.setattr(attention, "attention_reference", _forbidden)
-    monkeypatch.setattr(attention, "cached_attention_torch", _forbidden)
-    real_import = builtins.__import__
-
-    def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
-        if name.endswith(".triton") and level > 0:  # a kernel module (ops/<op>/triton.py)
-            _forbidden()
-        return real_import(name, globals, locals, fromlist, level)
-
-    monkeypatch.setattr(builtins, "__import__", guarded_import)
+    monkeypatch.setattr(backend, "load", _forbidden)  # every op implementation, PyTorch or kernel
 
 
 @pytest.fixture

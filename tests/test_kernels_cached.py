@@ -10,7 +10,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import turboattn as ta
-from turboattn.attention import cached_attention_torch
+from turboattn.ops.cached.naive import cached_attention_naive
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
@@ -57,7 +57,7 @@ def test_cached_attention_kernel_matches_reference(d, k_bits, v_bits, group, tq,
         vf = torch.randn(b, hkv, tq, d, generator=gen).half()
     sink = torch.randn(hkv * group, generator=gen) if sinks else None
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sink, backend="triton", num_splits=splits)
-    ref = cached_attention_torch(q, cache, kf, vf, softcap=softcap, sinks=sink, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sink, compute_dtype=torch.float64)
     assert out.dtype == q.dtype and out.shape == q.shape
     # fp16 output adds one more rounding.
     assert _rel(out, ref) < FP16_TOL + 2.0**-11
@@ -71,7 +71,7 @@ def test_cached_attention_kernel_large_head_dims(gen, d):
     kf = torch.randn(1, 2, 2, d, generator=gen).half()
     vf = torch.randn(1, 2, 2, d, generator=gen).half()
     out = ta.cached_attention(q, cache, kf, vf, backend="triton")
-    ref = cached_attention_torch(q, cache, kf, vf, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
     assert _rel(out, ref) < FP16_TOL + 2.0**-11
 
 
@@ -84,7 +84,7 @@ def test_fully_masked_rows_give_zeros_and_sinks_alone(gen):
         out = ta.cached_attention(q, cache, sinks=sinks, backend="triton")
         assert torch.isfinite(out).all()
         assert torch.equal(out[1], torch.zeros_like(out[1]))
-        ref = cached_attention_torch(q, cache, sinks=sinks, compute_dtype=torch.float64)
+        ref = cached_attention_naive(q, cache.layout, cache.codec, sinks=sinks, compute_dtype=torch.float64)
         assert _rel(out[0], ref[0]) < FP16_TOL + 2.0**-11
 
 
@@ -116,7 +116,7 @@ def test_head_dim_512_keeps_the_query_dtype(gen):
     q = torch.randn(1, 2, 1, 512, generator=gen).to(torch.bfloat16)
     out = ta.cached_attention(q, cache, backend="triton")
     assert out.dtype == torch.bfloat16
-    ref = cached_attention_torch(q.float(), cache, compute_dtype=torch.float64)  # float32 out: no rounding
+    ref = cached_attention_naive(q.float(), cache.layout, cache.codec, compute_dtype=torch.float64)  # float32 out: no rounding
     # One bf16 rounding of the output on top of the fp16 operand error. The interpreter casts
     # float32 -> bf16 by truncation (up to one ulp, 2^-7 relative), the GPU rounds to nearest.
     assert _rel(out, ref) < FP16_TOL + 2.0**-7

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import turboattn as ta
-from turboattn.attention import cached_attention_torch
+from turboattn.ops.cached.naive import cached_attention_naive
 from turboattn.format.key_transform import MIN_FIT_TOKENS, fit_key_transform
 from turboattn.ops.flash.naive import attention_reference
 
@@ -129,7 +129,7 @@ def test_kernel_with_key_transform_matches_reference(gen, window, fresh):
     if fresh:
         kf, vf = _offset_keys(gen, 2, 2, 3, 64).half(), torch.randn(2, 2, 3, 64, generator=gen).half()
     out = ta.cached_attention(q, cache, kf, vf, backend="triton")
-    ref = cached_attention_torch(q, cache, kf, vf, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
     assert _rel(out, ref) < FP16_TOL
 
 
@@ -141,7 +141,7 @@ def test_gain_only_transform_serves_softcap_and_sinks(gen):
     q = torch.randn(2, 4, 1, 64, generator=gen).half()
     sinks = torch.randn(4, generator=gen)
     out = ta.cached_attention(q, cache, softcap=5.0, sinks=sinks, backend="triton")
-    ref = cached_attention_torch(q, cache, softcap=5.0, sinks=sinks, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, softcap=5.0, sinks=sinks, compute_dtype=torch.float64)
     assert _rel(out, ref) < FP16_TOL
 
 
@@ -187,5 +187,5 @@ def test_head_dim_512_applies_the_transform_on_the_host(gen):
     q = torch.randn(1, 2, 1, d, generator=gen).half()
     kf, vf = _offset_keys(gen, 1, 1, 1, d).half(), torch.randn(1, 1, 1, d, generator=gen).half()
     out = ta.cached_attention(q, cache, kf, vf, backend="triton")
-    ref = cached_attention_torch(q, cache, kf, vf, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
     assert _rel(out, ref) < FP16_TOL

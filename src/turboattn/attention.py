@@ -1,14 +1,16 @@
-"""Public attention entry points: validate, then dispatch to Triton or the reference."""
+"""Public attention entry points: validate, choose the implementation, then call the torch op."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from .cache import QuantizedKVCache
-from .ops.backend import use_triton
-from .ops.flash.naive import attention_reference
+from .ops import library  # noqa: F401  (registers torch.ops.turboattn)
+from .ops.backend import choose
+from .ops.cached.config import DecodePlan, plan_decode
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -41,7 +43,8 @@ def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) ->
 def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor | None = None,
                      v: torch.Tensor | None = None, scale: float | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None,
-                     backend: str = "auto", num_splits: int | None = None) -> torch.Tensor:
+                     backend: str = "auto", num_splits: int | None = None,
+                     plan: DecodePlan | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, Tq, D] over the compressed cache (plus fresh k, v).
 
     Query t of sequence b sits at position seen[b] + t when fresh k, v
@@ -53,6 +56,10 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     With a ring cache and no fresh k, v, the early queries of a Tq > 1 chunk
     cannot see keys the chunk itself overwrote; for prefill, pass the chunk as
     fresh k, v and append it afterwards.
+
+    num_splits fixes the split-K count (default: chosen from the lengths held now); a CUDA
+    graph replayed as the cache grows wants it fixed.  plan overrides the whole launch plan
+    of the Triton kernel (ops/cached/config.py; benchmarks sweep it).
 
     A cache with a key transform (QuantizedKVCache.set_key_transform) is read
     in its stored domain: q / gain against (k - shift) * gain, which differs
@@ -84,32 +91,25 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
-    if use_triton(backend, q):
-        from .ops.cached.triton import cached_attention_triton
-        return cached_attention_triton(q, cache, k, v, scale, softcap, sinks, num_splits)
-    return cached_attention_torch(q, cache, k, v, scale, softcap, sinks)
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a turboattn.ops.cached.config.DecodePlan, got {type(plan).__name__}")
+
+    impl = choose("cached_attention", backend, q.device)
+    if plan is None:
+        plan = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads,
+                           tq * (hq // cache.num_kv_heads), min(cache.max_seen, cache.capacity), num_splits)
+    elif num_splits is not None:
+        plan = replace(plan, num_splits=num_splits)
+    layout = cache.layout
+    return torch.ops.turboattn.cached_attention(
+        q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
+        layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
+        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan.to_list(), impl)
 
 
-def cached_attention_torch(q, cache, k=None, v=None, scale=None, softcap=None, sinks=None,
-                           compute_dtype=torch.float32):
-    """Reference: dequantize every slot, attach absolute positions, run exact attention."""
-    tq = q.shape[2]
-    k_all, v_all = cache.dequantize(compute_dtype)
-    k_pos = cache.slot_positions()
-    seen = cache.seen.to(torch.int64)[:, None]
-    offsets = torch.arange(tq, device=q.device)[None]
-    if k is not None:
-        fresh_pos = seen + offsets
-        fresh_pos = torch.where(fresh_pos >= cache.starts.to(torch.int64)[:, None], fresh_pos, -1)
-        k_all = torch.cat([k_all, k.to(compute_dtype)], dim=2)
-        v_all = torch.cat([v_all, v.to(compute_dtype)], dim=2)
-        k_pos = torch.cat([k_pos, fresh_pos], dim=1)
-        q_pos = seen + offsets
-    else:
-        q_pos = seen - tq + offsets
-    return attention_reference(q, k_all, v_all, causal=True, sliding_window=cache.sliding_window,
-                               scale=scale, softcap=softcap, sinks=sinks,
-                               q_positions=q_pos, k_positions=k_pos, compute_dtype=compute_dtype)
+def _float(x):
+    """Python floats for the op's float? arguments (an int scale is fine for users)."""
+    return None if x is None else float(x)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -150,11 +150,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     _check_options(hq, q.device, scale, softcap, sinks, alibi_slopes)
 
-    if use_triton(backend, q):
-        from .ops.flash.triton import flash_attention_triton
-        return flash_attention_triton(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
-                                      scale=scale, softcap=softcap, sinks=sinks,
-                                      alibi_slopes=alibi_slopes, return_lse=return_lse)
-    return attention_reference(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
-                               scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                               return_lse=return_lse)
+    impl = choose("flash_attention", backend, q.device)
+    out, lse = torch.ops.turboattn.flash_attention(q, k, v, bool(causal), sliding_window, mask, _float(scale),
+                                                   _float(softcap), sinks, alibi_slopes, bool(return_lse), impl)
+    return (out, lse) if return_lse else out

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import turboattn as ta
-from turboattn.attention import cached_attention_torch
+from turboattn.ops.cached.naive import cached_attention_naive
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -61,7 +61,7 @@ def test_cached_attention_matches_reference(case):
     _poison_allocator()
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks)
     assert not out.isnan().any()
-    ref = cached_attention_torch(q, cache, kf, vf, softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
     # bf16 output rounding (2^-9) on top of the fp16 operand error.
     err = _rel(out, ref)
     assert err < TOL + 2.0 ** -9, f"relative error {err:.3g}"
@@ -131,7 +131,7 @@ def test_decode_step_replays_in_cuda_graph(fit):
         assert torch.equal(cache.seen, seen_before + 1)
         # Reference: the cache before this step's append, plus the fresh token.
         cache.seen.copy_(seen_before)
-        ref = cached_attention_torch(q, cache, k_new, v_new, compute_dtype=torch.float64)
+        ref = cached_attention_naive(q, cache.layout, cache.codec, k_new, v_new, compute_dtype=torch.float64)
         cache.seen.copy_(seen_before + 1)
         assert _rel(out, ref) < TOL + 2.0 ** -9
 
@@ -155,6 +155,6 @@ def test_key_transform_matches_reference(center):
     v_new = torch.randn_like(k_new)
     options = {} if center else {"softcap": 30.0, "sinks": torch.randn(hkv * g, device="cuda")}
     out = ta.cached_attention(q, cache, k_new, v_new, **options)
-    ref = cached_attention_torch(q, cache, k_new, v_new, compute_dtype=torch.float64, **options)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, k_new, v_new, compute_dtype=torch.float64, **options)
     # bf16 q / gain and transformed fresh keys add roundings of 2^-9 each.
     assert _rel(out, ref) < TOL + 3 * 2.0 ** -9

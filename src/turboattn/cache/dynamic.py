@@ -1,12 +1,9 @@
-"""QuantizedKVCache: compressed K/V storage, contiguous or ring (sliding window).
+"""QuantizedKVCache: compressed K/V storage that grows on request, contiguous or ring (sliding window).
 
-Layout (what the kernels read): codes [B, Hkv, N, D*bits/8] uint8 and scales
-[B, Hkv, N, D/block] float32 for K and for V, N = slots.  Token at absolute
-position p of sequence b lives in slot p (contiguous) or p mod W (ring).
-`seen[b]` counts tokens appended to sequence b (its next absolute position);
-`starts[b]` marks left padding: positions < starts[b] are never attended.
-Both live on the device so that decode steps need no host synchronization;
-a host copy of `seen` makes overflow checks free.
+The tensors (format/layout.py says what each holds) live on the device, so
+decode steps need no host synchronization; a host copy of the lengths makes
+overflow checks free.  The ops take `cache.layout`, a view of those tensors,
+never the cache itself.
 
 An optional key transform (key_transform.py: shift and gain [B, Hkv, D]) is
 set while the cache is empty; keys are then stored as (k - shift) * gain, and
@@ -20,8 +17,10 @@ from collections.abc import Sequence
 import torch
 
 from ..format.codec import FLOAT_DTYPES, KVCodec
-from ..ops.backend import check_backend, use_triton
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
+from ..format.layout import CacheLayout, dequantize_slots, slot_positions
+from ..ops.backend import check_backend, choose
+from ..ops import library  # noqa: F401  (registers torch.ops.turboattn)
 
 
 class QuantizedKVCache:
@@ -66,6 +65,12 @@ class QuantizedKVCache:
         self._key_shifted = False
 
     # -- state ---------------------------------------------------------------
+    @property
+    def layout(self) -> CacheLayout:
+        """The tensors as the ops take them (a view: writes through it land in this cache)."""
+        return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
+                           self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted)
+
     @property
     def is_ring(self) -> bool:
         return self.sliding_window is not None
@@ -130,15 +135,7 @@ class QuantizedKVCache:
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by each slot [B, N] (int64); -1 for empty or padding slots."""
-        slot = torch.arange(self.capacity, device=self.device)[None, :]
-        seen = self.seen.to(torch.int64)[:, None]
-        if self.is_ring:
-            # Largest p < seen with p = slot (mod W).
-            pos = slot + self.capacity * torch.div(seen - 1 - slot, self.capacity, rounding_mode="floor")
-        else:
-            pos = slot.expand(self.batch_size, -1)
-        valid = (pos >= 0) & (pos < seen) & (pos >= self.starts.to(torch.int64)[:, None])
-        return torch.where(valid, pos, torch.full_like(pos, -1))
+        return slot_positions(self.layout)
 
     def reserve(self, capacity: int) -> None:
         """Grow a contiguous cache to hold `capacity` tokens per sequence, keeping its contents.
@@ -205,40 +202,22 @@ class QuantizedKVCache:
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
-        if use_triton(backend, k):  # the kernel applies the key transform itself
-            from ..ops.quantize.triton import quantize_append
-            n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
-            quantize_append(self, k, v, n_dev)
-        else:
-            self._append_torch(k, v, n)
+        impl = choose("quantize_append", backend, k.device)
+        n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
+        torch.ops.turboattn.quantize_append(k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales,
+                                            self.seen, self.starts, n_dev, self.key_shift, self.key_gain,
+                                            self.sliding_window, self.codec.k_bits, self.codec.v_bits,
+                                            self.codec.scale_rule, impl)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
         else:
             self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
         self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
 
-    def _append_torch(self, k: torch.Tensor, v: torch.Tensor, n: list[int]) -> None:
-        for b in range(self.batch_size):
-            first = max(0, n[b] - self.capacity)  # a ring keeps only the last W of a long chunk
-            if n[b] <= first:
-                continue
-            pos = torch.arange(self._seen_host[b] + first, self._seen_host[b] + n[b], device=self.device)
-            slots = pos % self.capacity
-            for kind, x, codes, scales in (("k", self.stored_keys(k), self.k_codes, self.k_scales),
-                                           ("v", v, self.v_codes, self.v_scales)):
-                packed = self.codec.quantize(x[b, :, first:n[b]], kind)
-                codes[b, :, slots] = packed.codes
-                scales[b, :, slots] = packed.scales
-
     # -- reads (reference path) ------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot as K, V [B, Hkv, N, D] (pair with slot_positions()); for tests and the reference."""
-        from ..format.codec import Packed
-        k = self.codec.dequantize(Packed(self.k_codes, self.k_scales), "k", dtype)
-        v = self.codec.dequantize(Packed(self.v_codes, self.v_scales), "v", dtype)
-        if self.key_gain is not None:
-            k = from_stored_keys(k, self.key_shift, self.key_gain)
-        return k, v
+        return dequantize_slots(self.layout, self.codec, dtype)
 
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh k, v [B, Hkv, T, D] as this cache would give them back (coded, then decoded), in their dtype."""

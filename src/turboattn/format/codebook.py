@@ -103,6 +103,18 @@ def boundaries(bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (0.5 * (c[1:] + c[:-1])).to(dtype)
 
 
+@lru_cache(maxsize=None)
+def device_centroids(bits: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """centroids(bits) on `device`, cached: read-only, so calls copy nothing from the host (CUDA-graph safe)."""
+    return centroids(bits, dtype).to(device)
+
+
+@lru_cache(maxsize=None)
+def device_boundaries(bits: int, device: torch.device) -> torch.Tensor:
+    """boundaries(bits) in float32 on `device`, cached and read-only like device_centroids."""
+    return boundaries(bits, torch.float32).to(device)
+
+
 def quantizer_mse(table: torch.Tensor) -> float:
     """E[(X - Q(X))^2], X ~ N(0,1), for nearest-centroid quantization with any sorted table."""
     c = table.to(torch.float64)

@@ -10,6 +10,7 @@ definition, and the fused kernels must reproduce it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from numbers import Integral
 from typing import Literal
 
@@ -33,6 +34,27 @@ def plane_widths(bits: int) -> tuple[int, ...]:
     return _PLANES[bits]
 
 
+@dataclass(frozen=True)
+class CodeSpec:
+    """What a kernel needs to know about one side's (K or V) packed rows, as plain ints."""
+
+    bits: int
+    low_plane: int      # width of the first bit plane (it holds the low bits)
+    high_plane: int     # width of the second plane, 0 when there is one
+    row_bytes: int      # packed code bytes per vector: D * bits / 8
+    vector_bytes: int   # widest aligned access that divides a row (<= 16 bytes)
+
+
+@lru_cache(maxsize=None)
+def code_spec(head_dim: int, bits: int) -> CodeSpec:
+    widths = plane_widths(bits)
+    row_bytes = head_dim * bits // 8
+    vector_bytes = 16
+    while row_bytes % vector_bytes:
+        vector_bytes //= 2
+    return CodeSpec(bits, widths[0], widths[1] if len(widths) > 1 else 0, row_bytes, vector_bytes)
+
+
 @dataclass(frozen=True, eq=False)  # tensors have no single truth value
 class Packed:
     """Compressed vectors: codes [..., D*bits/8] uint8 and scales [..., D/block] float32."""
@@ -47,7 +69,7 @@ def cell_index(u: torch.Tensor, bits: int) -> torch.Tensor:
     Counts the float32 decision boundaries strictly below u, so a tie goes to
     the lower cell and values beyond the ends saturate at 0 and 2**bits - 1.
     """
-    bounds = codebook.boundaries(bits).to(u.device)
+    bounds = codebook.device_boundaries(bits, u.device)
     return torch.searchsorted(bounds, u.to(torch.float32).contiguous())
 
 
@@ -138,8 +160,17 @@ class KVCodec:
         """Average stored bits per K/V element, scales included."""
         return 8 * self.bytes_per_token() / (2 * self.head_dim)
 
+    def kernel_spec(self, kind: Kind) -> CodeSpec:
+        """The packed-row facts the kernels take for K or V (bits, planes, row bytes, vector width)."""
+        return code_spec(self.head_dim, self.bits(kind))
+
+    @property
+    def scale_rule_id(self) -> int:
+        """The scale rule as the quantize kernel's constant (its index in SCALE_RULES)."""
+        return SCALE_RULES.index(self.scale_rule)
+
     def centroids(self, kind: Kind, device=None, dtype=torch.float32) -> torch.Tensor:
-        return codebook.centroids(self.bits(kind), dtype).to(device)
+        return codebook.centroids(self.bits(kind), dtype).to(device)  # a copy the caller may write
 
     # -- rotated-domain coding (what the kernels compute on) --------------
     def _check_input(self, x: torch.Tensor) -> None:
@@ -160,7 +191,7 @@ class KVCodec:
         idx = cell_index(yb / safe, bits)
         scale = rms
         if self.scale_rule != "rms":
-            c = codebook.centroids(bits).to(y.device)[idx]
+            c = codebook.device_centroids(bits, y.device)[idx]
             if self.scale_rule == "corrected":
                 scale = yb.norm(dim=-1, keepdim=True) / c.norm(dim=-1, keepdim=True)
             else:  # least squares: argmin_s ||y_b - s c||
@@ -172,7 +203,7 @@ class KVCodec:
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(indices, scales) -> rotated-domain vectors ŷ = c[idx] * scale."""
         lead = idx.shape[:-1]
-        c = codebook.centroids(self.bits(kind), dtype).to(idx.device)[idx]
+        c = codebook.device_centroids(self.bits(kind), idx.device, dtype)[idx]
         c = c.reshape(*lead, self.num_blocks, self.block_size) * scales.to(dtype)[..., None]
         return c.reshape(*lead, self.head_dim)
 

@@ -41,6 +41,12 @@ def signs(head_dim: int, device=None, dtype: torch.dtype = torch.float32) -> tor
     return _signs_cpu(head_dim).to(device=device, dtype=dtype, copy=True)
 
 
+@lru_cache(maxsize=None)
+def device_signs(head_dim: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """signs(head_dim) on `device`, cached and read-only: rotations copy nothing from the host per call."""
+    return signs(head_dim, device, dtype)
+
+
 def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
     """Unnormalized H x along the last dim (length a power of two), natural (Sylvester) order."""
     d = x.shape[-1]
@@ -57,13 +63,13 @@ def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """R x along the last dim, computed in x's dtype (pass float32/float64 for accuracy)."""
     d = x.shape[-1]
-    return walsh_hadamard(x * signs(d, x.device, x.dtype)) * (d ** -0.5)
+    return walsh_hadamard(x * device_signs(d, x.device, x.dtype)) * (d ** -0.5)
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """R^-1 y = R^T y along the last dim."""
     d = y.shape[-1]
-    return walsh_hadamard(y) * (d ** -0.5) * signs(d, y.device, y.dtype)
+    return walsh_hadamard(y) * (d ** -0.5) * device_signs(d, y.device, y.dtype)
 
 
 def rotation_matrix(head_dim: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -1,12 +1,55 @@
-"""Which path runs: Triton kernels or the PyTorch reference."""
+"""Which implementation serves a call: a registry of (op, implementation) with capability checks.
+
+Each op's package registers its implementations in one line each
+(`register("cached_attention", "triton", "turboattn.ops.cached.triton:cached_attention_triton",
+priority=10, devices=("cuda",))`); the module is imported only when the implementation runs, so
+the PyTorch path never imports Triton.  `backend="auto"` picks the highest-priority
+implementation whose check accepts the tensors' device; naming one forces it.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    op: str
+    name: str                      # what backend= names ("torch", "triton", ...)
+    target: str                    # "package.module:function", imported on first use
+    priority: int                  # "auto" prefers the highest that supports the device
+    devices: tuple[str, ...]       # device types "auto" may send to it ("*": any); forcing ignores this
+    requires: tuple[str, ...] = ()  # importable modules it needs
+
+
+_REGISTRY: dict[str, dict[str, Implementation]] = {}
+
+
+def register(op: str, name: str, target: str, *, priority: int, devices: tuple[str, ...],
+             requires: tuple[str, ...] = ()) -> None:
+    _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires)
+
+
+def implementations(op: str) -> list[Implementation]:
+    """Registered implementations of `op`, best first."""
+    return sorted(_REGISTRY[op].values(), key=lambda impl: -impl.priority)
+
+
+@lru_cache(maxsize=None)
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def check_backend(backend: str) -> None:
@@ -14,23 +57,28 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_triton(backend: str, tensor: torch.Tensor) -> bool:
-    """auto: Triton on CUDA tensors, PyTorch elsewhere.  triton: always (CPU tensors need TRITON_INTERPRET=1)."""
+def choose(op: str, backend: str, device: torch.device) -> str:
+    """The implementation name that serves `op` for tensors on `device` (host only: no tensor is read)."""
     check_backend(backend)
-    if backend == "torch":
-        return False
     if backend == "auto":
-        return tensor.is_cuda and triton_available()
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
-    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        for impl in implementations(op):
+            if (device.type in impl.devices or "*" in impl.devices) and all(_importable(m) for m in impl.requires):
+                return impl.name
+        raise RuntimeError(f"no implementation of {op} supports device {device}")  # torch covers every device
+    impl = _REGISTRY[op].get(backend)
+    if impl is None:
+        raise ValueError(f"{op} has no {backend!r} implementation; registered: {sorted(_REGISTRY[op])}")
+    missing = [m for m in impl.requires if not _importable(m)]
+    if missing:
+        raise RuntimeError(f"backend={backend!r} needs the {', '.join(missing)} package; install it or use "
+                           "backend='torch'")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
-    return True
+    return impl.name
+
+
+@lru_cache(maxsize=None)
+def load(op: str, name: str) -> Callable:
+    """The function behind (op, implementation), imported on first use."""
+    module, function = _REGISTRY[op][name].target.split(":")
+    return getattr(importlib.import_module(module), function)

@@ -1,4 +1,9 @@
-"""Shared by the kernel families: Hadamard rotation on tensor cores and device-cached tables."""
+"""@triton.jit pieces shared by the kernel families: constants, Hadamard on tensor cores, softcap,
+the online-softmax step, the key transform, and the split-K merge by log-sum-exp.
+
+Every kernel works in the log2 domain (exp2 is one instruction): scores are
+pre-multiplied by LOG2E, and LSEs are converted back with LN2 where a user sees them.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..format import codebook
-from ..format.codec import plane_widths
-from ..format.rotation import signs, walsh_hadamard
+from ..format.rotation import walsh_hadamard
 
-
-def plane_pair(bits: int) -> tuple[int, int]:
-    """(low plane width, high plane width or 0): the kernels' view of codec.plane_widths."""
-    widths = plane_widths(bits)
-    return widths[0], (widths[1] if len(widths) > 1 else 0)
+LOG2E = tl.constexpr(1.4426950408889634)   # host code reads LOG2E.value
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @lru_cache(maxsize=None)
-def _hadamard_cpu(n: int) -> torch.Tensor:
-    return walsh_hadamard(torch.eye(n, dtype=torch.float32)).to(torch.float16)
-
-
-@lru_cache(maxsize=None)
-def device_centroids(bits: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Codebook centroids on `device`, cached so that launches copy nothing (CUDA-graph safe)."""
-    return codebook.centroids(bits, dtype).to(device)
-
-
-@lru_cache(maxsize=None)
-def device_signs(head_dim: int, device: torch.device) -> torch.Tensor:
-    """Read-only float32 sign vector on `device`, cached (the kernels never write it)."""
-    return signs(head_dim, device)
-
-
-def rotate_on_device(x: torch.Tensor) -> torch.Tensor:
-    """rotation.rotate without a host-to-device copy per call (usable inside CUDA-graph capture)."""
-    d = x.shape[-1]
-    return walsh_hadamard(x * device_signs(d, x.device).to(x.dtype)) * (d ** -0.5)
+def hadamard_tile(n: int, device: torch.device) -> torch.Tensor:
+    """The H matrix that hadamard_any(., ., n) expects: unnormalized H_min(n, 128) in float16
+    (entries ±1 are exact), cached per device and read-only."""
+    m = min(n, 128)
+    return walsh_hadamard(torch.eye(m, dtype=torch.float32)).to(torch.float16).to(device)
 
 
 @triton.jit
@@ -79,16 +64,68 @@ def hadamard_any(x, had_ptr, N: tl.constexpr):
     return tl.reshape(tl.permute(tl.join(y0, y1), (0, 2, 1)), (R, N))
 
 
-@lru_cache(maxsize=None)
-def hadamard_tile(n: int, device: torch.device) -> torch.Tensor:
-    """The H matrix that hadamard_any(., ., n) expects: unnormalized H_min(n, 128) in float16
-    (entries ±1 are exact), cached per device."""
-    return _hadamard_cpu(min(n, 128)).to(device)
+@triton.jit
+def key_transform_rows(x, shift_ptr, gain_ptr, offs, SHIFT: tl.constexpr):
+    """(x - shift) * gain per channel (shift only when SHIFT); offs index the channels of x's columns."""
+    if SHIFT:
+        x = x - tl.load(shift_ptr + offs)
+    return x * tl.load(gain_ptr + offs)
 
 
-def row_vector_bytes(row_bytes: int) -> int:
-    """Largest power of two <= 16 dividing a packed row: the widest safe vector access."""
-    vec = 16
-    while row_bytes % vec:
-        vec //= 2
-    return vec
+@triton.jit
+def tanh(x):
+    # 1 - 2 / (e^2x + 1): exact limits at +-inf and no libdevice dependency (works interpreted).
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def online_softmax(s, m, l, MAY_BE_EMPTY: tl.constexpr):
+    """One step of the streaming softmax over a tile of log2-domain scores s [R, N].
+
+    Returns (p, new max, alpha = rescale of the old sums, new sum).  MAY_BE_EMPTY: some
+    row may have seen no finite score yet; it keeps m = -inf and p = 0 instead of NaN.
+    """
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    if MAY_BE_EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m - m_use)
+    return p, m_new, alpha, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def finish_split(acc, m, l):
+    """A split's partial result: (acc / l, its log2-sum-exp); a row that saw nothing gives (0, -inf)."""
+    inv = tl.where(l > 0, 1.0 / l, 0.0)
+    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    return acc * inv[:, None], lse
+
+
+@triton.jit
+def merge_splits(o_part, lse_part, first, stride, num_parts, cols, row_ok, col_ok, sink,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_PITCH: tl.constexpr):
+    """Merge split partials (finish_split's) of rows [BLOCK_R] by their log2-sum-exp.
+
+    Part p of row r is lse_part[first[r] + p * stride] and the row of ROW_PITCH floats at
+    o_part + (first[r] + p * stride) * ROW_PITCH, of which columns `cols` are merged.  `sink`
+    [BLOCK_R] is a log2-domain logit joining the denominator only (-inf: none).  Returns
+    (out [BLOCK_R, BLOCK_C], lse [BLOCK_R] in log2 units); a row with nothing gives zeros and -inf.
+    """
+    m = sink
+    for part in range(num_parts):
+        m = tl.maximum(m, tl.load(lse_part + first + part * stride, mask=row_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.exp2(sink - m_use)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for part in range(num_parts):
+        idx = first + part * stride
+        w = tl.exp2(tl.load(lse_part + idx, mask=row_ok, other=float("-inf")) - m_use)
+        denom += w
+        o = tl.load(o_part + idx[:, None] * ROW_PITCH + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        acc += w[:, None] * o
+    safe = tl.where(denom > 0, denom, 1.0)
+    lse = tl.where(denom > 0, m_use + tl.log2(safe), float("-inf"))
+    return acc / safe[:, None], lse

@@ -1,0 +1,8 @@
+"""Attention over the compressed cache (decode and extend): split-K over the codes, merged by LSE."""
+
+from ..backend import register
+
+register("cached_attention", "torch", "turboattn.ops.cached.naive:cached_attention_naive", priority=0,
+         devices=("*",))
+register("cached_attention", "triton", "turboattn.ops.cached.triton:cached_attention_triton", priority=10,
+         devices=("cuda",), requires=("triton",))

@@ -14,19 +14,20 @@ the sinks, rotates back (x = s * H y / sqrt(D)) and casts.
 from __future__ import annotations
 
 import math
-import os
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from ...format import codebook
-from ...format.key_transform import to_stored_queries
-from ..triton_lib import (device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair,
-                     rotate_on_device, row_vector_bytes)
-
-LOG2E = 1.4426950408889634
+from ...format.codebook import device_centroids
+from ...format.codec import KVCodec
+from ...format.key_transform import to_stored_keys, to_stored_queries
+from ...format.layout import CacheLayout
+from ...format.rotation import device_signs, rotate
+from ..triton_lib import (LOG2E, finish_split, hadamard_any, hadamard_tile, key_transform_rows, merge_splits,
+                          online_softmax, tanh)
+from .config import DecodePlan, plan_decode
+from .lut import lut4_asm
 
 
 @triton.jit
@@ -103,11 +104,8 @@ def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr,
     x_lo = x_lo.to(tl.float32)
     x_hi = x_hi.to(tl.float32)
     if AFFINE:
-        if SUB:
-            x_lo = x_lo - tl.load(sub_ptr + offs)
-            x_hi = x_hi - tl.load(sub_ptr + HALF + offs)
-        x_lo = x_lo * tl.load(mul_ptr + offs)
-        x_hi = x_hi * tl.load(mul_ptr + HALF + offs)
+        x_lo = key_transform_rows(x_lo, sub_ptr, mul_ptr, offs, SUB)
+        x_hi = key_transform_rows(x_hi, sub_ptr, mul_ptr, HALF + offs, SUB)
     x_lo = x_lo * tl.load(signs_ptr + offs)
     x_hi = x_hi * tl.load(signs_ptr + HALF + offs)
     factor = factor / tl.sqrt(D * 1.0)
@@ -127,20 +125,10 @@ def _group_rows(bh, row_block, num_kv_heads, Tq, G: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _online_softmax(s, m, l):
-    """One step of the streaming softmax in the log2 domain; rows with no finite score stay empty."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return p, m_new, alpha, l * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
 def _finish_scores(s, SOFTCAP: tl.constexpr, softcap):
+    """Scores (already scaled, natural units when SOFTCAP) -> log2-domain logits, softcapped if asked."""
     if SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly for large |x|.
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634
+        s = softcap * tanh(s / softcap) * LOG2E
     return s
 
 
@@ -215,7 +203,7 @@ def _cached_attention_kernel(
             if HAS_WINDOW:
                 keep = keep & (qpos[:, None] - pos[None, :] < window)
             s = tl.where(keep, s, float("-inf"))
-            p, m, alpha, l = _online_softmax(s, m, l)
+            p, m, alpha, l = online_softmax(s, m, l, True)
             v_lo, v_hi = _centroid_halves(v_codes, rows, valid, v_cb, D, V_BITS, V_W0, V_W1, V_LUT, V_VEC)
             if NB == 1:
                 vs = tl.load(v_scales + rows, mask=valid, other=0.0)
@@ -244,20 +232,20 @@ def _cached_attention_kernel(
             if HAS_WINDOW:
                 keep = keep & (qpos[:, None] - pos[None, :] < window)
             s = tl.where(keep, s, float("-inf"))
-            p, m, alpha, l = _online_softmax(s, m, l)
+            p, m, alpha, l = online_softmax(s, m, l, True)
             v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
                                         key_shift_ptr, key_gain_ptr, False, False)
             pv = p.to(tl.float16)
             acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
             acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])
 
-    inv = tl.where(l > 0, 1.0 / l, 0.0)
-    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    out_lo, lse = finish_split(acc_lo, m, l)
+    out_hi, lse = finish_split(acc_hi, m, l)
     part = (bh * tl.num_programs(0) + split).to(tl.int64) * rows_total + row
     tl.store(lse_part + part, lse, mask=row_ok)
     o_ptr = o_part + part[:, None] * D + offs_h[None, :]
-    tl.store(o_ptr, acc_lo * inv[:, None], mask=row_ok[:, None])
-    tl.store(o_ptr + HALF, acc_hi * inv[:, None], mask=row_ok[:, None])
+    tl.store(o_ptr, out_lo, mask=row_ok[:, None])
+    tl.store(o_ptr + HALF, out_hi, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -271,28 +259,15 @@ def _merge_reduce_kernel(
     head = kvh * G + g
     offs_h = tl.arange(0, HALF)
 
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    sink = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_SINKS:
-        m = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-    for part in range(num_parts):
-        idx = (bh * num_parts + part).to(tl.int64) * rows_total + row
-        m = tl.maximum(m, tl.load(lse_part + idx, mask=row_ok, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([BLOCK_R], tl.float32)
-    if HAS_SINKS:
-        denom = tl.exp2(tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634 - m_use)
-    y_lo = tl.zeros([BLOCK_R, HALF], tl.float32)
-    y_hi = tl.zeros([BLOCK_R, HALF], tl.float32)
-    for part in range(num_parts):
-        idx = (bh * num_parts + part).to(tl.int64) * rows_total + row
-        w = tl.exp2(tl.load(lse_part + idx, mask=row_ok, other=float("-inf")) - m_use)
-        denom += w
-        ptr = o_part + idx[:, None] * D + offs_h[None, :]
-        y_lo += w[:, None] * tl.load(ptr, mask=row_ok[:, None], other=0.0)
-        y_hi += w[:, None] * tl.load(ptr + HALF, mask=row_ok[:, None], other=0.0)
-    inv = tl.where(denom > 0, 1.0 / denom, 0.0)
-    y_lo = y_lo * inv[:, None]
-    y_hi = y_hi * inv[:, None]
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * LOG2E
+    first = (bh * num_parts).to(tl.int64) * rows_total + row
+    col_ok = offs_h < HALF
+    y_lo, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, offs_h, row_ok, col_ok, sink,
+                             BLOCK_R, HALF, D)
+    y_hi, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, HALF + offs_h, row_ok, col_ok, sink,
+                             BLOCK_R, HALF, D)
 
     # Rotate back: x = s * (H y) / sqrt(D), with H_D = [[H, H], [H, -H]] for H = H_{D/2}.
     x_lo = hadamard_any(y_lo + y_hi, had_ptr, HALF)
@@ -306,114 +281,39 @@ def _merge_reduce_kernel(
     tl.store(o_ptr + HALF, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _lut4_asm(table: list[float]) -> str:
-    """PTX mapping 4 packed code bytes (low nibble: coordinate c, high: c + D/2) to 8 float16 centroids.
+def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
+                            v: torch.Tensor | None = None, scale: float | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None,
+                            plan: DecodePlan | None = None) -> torch.Tensor:
+    """Launch the split-K kernel and the merge.  Inputs are validated by attention.cached_attention.
 
-    Each nibble i selects a byte from two 8-entry byte tables (prmt picks from 8
-    bytes with a 3-bit selector): entries 0-7 with selector i, entries 8-15 with
-    i ^ 8.  prmt's sign-replicate mode (selector bit 3) fills the wrong table's
-    pick with junk, so a full-byte mask (0xFF where i < 8) chooses between them;
-    the mask itself comes from prmt on a 0x7F table, whose replicate byte is 0.
+    plan: the launch plan (config.plan_decode); None plans for a full cache (layout.capacity keys).
     """
-    bits = torch.tensor(table, dtype=torch.float16).view(torch.int16).tolist()
-    lo = [b & 0xFF for b in bits]
-    hi = [(b >> 8) & 0xFF for b in bits]
-
-    def word(bytes4):
-        return "0x%08X" % sum(v << (8 * k) for k, v in enumerate(bytes4))
-
-    tables = {"al0": word(lo[0:4]), "al1": word(lo[4:8]), "bl0": word(lo[8:12]), "bl1": word(lo[12:16]),
-              "ah0": word(hi[0:4]), "ah1": word(hi[4:8]), "bh0": word(hi[8:12]), "bh1": word(hi[12:16])}
-    lines = ["{", ".reg .b32 n, t, s, s8, m, f, al, bl, ah, bh, l, h, c7;"]
-    lines += [f".reg .b32 {name};" for name in tables]
-    lines += [f"mov.b32 {name}, {value};" for name, value in tables.items()]
-    lines.append("mov.b32 c7, 0x7F7F7F7F;")
-    for half, (out0, out1) in enumerate((("$0", "$1"), ("$2", "$3"))):
-        # Nibbles of the 4 bytes -> 4 selector nibbles, in element order 0, 2, 1, 3.
-        lines.append("and.b32 n, $4, 0x0F0F0F0F;" if half == 0 else "shr.b32 n, $4, 4;\nand.b32 n, n, 0x0F0F0F0F;")
-        lines += ["shr.b32 t, n, 12;", "or.b32 s, n, t;", "xor.b32 s8, s, 0x8888;",
-                  "prmt.b32 m, c7, c7, s;", "shl.b32 t, m, 1;", "or.b32 f, m, t;",
-                  "prmt.b32 al, al0, al1, s;", "prmt.b32 bl, bl0, bl1, s8;",
-                  "prmt.b32 ah, ah0, ah1, s;", "prmt.b32 bh, bh0, bh1, s8;",
-                  "lop3.b32 l, al, bl, f, 0xE4;", "lop3.b32 h, ah, bh, f, 0xE4;",
-                  f"prmt.b32 {out0}, l, h, 0x6240;", f"prmt.b32 {out1}, l, h, 0x7351;"]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def lut_asm(bits: int, device: torch.device) -> str:
-    """The register-LUT lookup for 4-bit codes on CUDA; "" selects the gather path (other widths, interpreter)."""
-    if bits != 4 or device.type != "cuda" or os.environ.get("TURBOATTN_LOOKUP") == "gather":
-        return ""
-    return _lut4_asm_for_codebook()
-
-
-@lru_cache(maxsize=None)
-def _lut4_asm_for_codebook() -> str:
-    return _lut4_asm(codebook.centroids(4, torch.float64).tolist())
-
-
-def decode_config(d: int) -> dict:
-    """Tile and launch parameters; TURBOATTN_DECODE_CONFIG="BLOCK_N,num_warps,num_stages" overrides (benchmarks)."""
-    forced = os.environ.get("TURBOATTN_DECODE_CONFIG")
-    if forced:
-        values = [int(x) for x in forced.split(",")]
-        config = dict(zip(("BLOCK_N", "num_warps", "num_stages", "maxnreg"), values))
-        return config
-    if d == 512:
-        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-
-
-# The kernel is latency-bound with 2 programs resident per SM (255 registers); more, shorter
-# splits measured faster at B=8 (402 -> 334 us at 8 per SM), until splits get too short (B=1).
-PROGRAMS_PER_SM = 8
-MIN_KEYS_PER_SPLIT = 1024
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def choose_num_splits(device, programs: int, max_tokens: int, block_n: int) -> int:
-    """Splits so that every SM gets several programs (latency hiding), each split >= 1024 keys.
-
-    TURBOATTN_PROGRAMS_PER_SM overrides the programs-per-SM target (benchmarks).
-    """
-    per_sm = int(os.environ.get("TURBOATTN_PROGRAMS_PER_SM", str(PROGRAMS_PER_SM)))
-    want = max(1, -(-per_sm * _sm_count(device) // max(programs, 1)))
-    most = max(1, max_tokens // max(MIN_KEYS_PER_SPLIT, 4 * block_n))
-    return min(want, most)
-
-
-def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, sinks=None,
-                            num_splits=None) -> torch.Tensor:
-    codec = cache.codec
     b, hq, tq, d = q.shape
-    hkv = cache.num_kv_heads
+    hkv = layout.num_kv_heads
     group = hq // hkv
     dev = q.device
+    if plan is None:
+        plan = plan_decode(dev, d, codec.k_bits, codec.v_bits, b * hkv, tq * group, layout.capacity)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     # The softmax runs in base 2: fold log2(e) into q unless softcap needs the raw scores.
-    q_scale = scale if softcap is not None else scale * LOG2E
+    q_scale = scale if softcap is not None else scale * LOG2E.value
     has_fresh = k is not None
     out_dtype = q.dtype  # q may be replaced by its rotated float16 copy below
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
-    key_xform = cache.key_gain is not None
+    key_xform = layout.has_key_transform
     if pre_rotated:
         if key_xform:  # the host rotates, so it applies the key transform too
-            q = to_stored_queries(q.to(torch.float32), cache.key_gain)
-            k = None if k is None else cache.stored_keys(k)
+            q = to_stored_queries(q.to(torch.float32), layout.key_gain)
+            k = None if k is None else to_stored_keys(k, layout.key_shift, layout.key_gain)
             key_xform = False
-        q = (rotate_on_device(q.to(torch.float32)) * q_scale).to(torch.float16)
+        q = (rotate(q.to(torch.float32)) * q_scale).to(torch.float16)
         if has_fresh:
-            k = rotate_on_device(k.to(torch.float32)).to(torch.float16)
-            v = rotate_on_device(v.to(torch.float32)).to(torch.float16)
+            k = rotate(k.to(torch.float32)).to(torch.float16)
+            v = rotate(v.to(torch.float32)).to(torch.float16)
     if q.stride(3) != 1:
         q = q.contiguous()
     if has_fresh:
@@ -423,41 +323,29 @@ def cached_attention_triton(q, cache, k=None, v=None, scale=None, softcap=None, 
     kf, vf = (k, v) if has_fresh else (q, q)  # unused without fresh tokens
 
     rows = tq * group
-    block_m = 16 if rows <= 16 else 64
-    row_blocks = triton.cdiv(rows, block_m)
-    config = decode_config(d)
-    block_n = config["BLOCK_N"]
-    held = min(cache.max_seen, cache.capacity)
-    if num_splits is None:
-        num_splits = choose_num_splits(dev, b * hkv * row_blocks, held, block_n)
-    parts = num_splits + int(has_fresh)
+    row_blocks = triton.cdiv(rows, plan.block_m)
+    parts = plan.num_splits + int(has_fresh)
     o_part = torch.empty(b * hkv * parts * rows * d, dtype=torch.float32, device=dev)
     lse_part = torch.empty(b * hkv * parts * rows, dtype=torch.float32, device=dev)
-    k_cb = device_centroids(codec.k_bits, dev, torch.float16)
-    v_cb = device_centroids(codec.v_bits, dev, torch.float16)
-    kw0, kw1 = plane_pair(codec.k_bits)
-    vw0, vw1 = plane_pair(codec.v_bits)
-    window = cache.sliding_window or 0
-    k_lut, v_lut = lut_asm(codec.k_bits, dev), lut_asm(codec.v_bits, dev)
-    if d == 64 and block_m == 64 and bool(k_lut) != bool(v_lut):
-        # Triton 3.6 miscompiles this mix (one side through the asm LUT, the other through the
-        # gather) at D = 64 with 64-row tiles: illegal shared-memory reads or NaN on an H200
-        # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
-        k_lut = v_lut = ""
+    k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
+    use_lut = plan.lookup == "lut"
+    k_lut = lut4_asm() if use_lut and codec.k_bits == 4 else ""
+    v_lut = lut4_asm() if use_lut and codec.v_bits == 4 else ""
+    window = layout.sliding_window or 0
     _cached_attention_kernel[(parts, b * hkv, row_blocks)](
-        q, q.stride(0), q.stride(1), q.stride(2), cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
-        k_cb, v_cb, kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), cache.seen, cache.starts, o_part, lse_part,
+        q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
+        device_centroids(codec.k_bits, dev, torch.float16), device_centroids(codec.v_bits, dev, torch.float16),
+        kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
         device_signs(d, dev), hadamard_tile(d // 2, dev),
-        *(cache.key_shift, cache.key_gain, cache.key_gain_inv) if key_xform else (o_part,) * 3,
-        float(q_scale), float(softcap or 0.0), tq, cache.capacity, window, hkv, num_splits,
-        D=d, G=group, K_BITS=codec.k_bits, K_W0=kw0, K_W1=kw1, V_BITS=codec.v_bits, V_W0=vw0, V_W1=vw1,
-        BLOCK_M=block_m, BLOCK_N=block_n, RING=cache.is_ring, HAS_FRESH=has_fresh,
-        HAS_WINDOW=window > 0, SOFTCAP=softcap is not None,
-        K_LUT=k_lut, V_LUT=v_lut,
-        K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")),
-        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and cache.has_key_shift,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-        **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),
+        *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
+        float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits,
+        D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
+        V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, RING=layout.is_ring, HAS_FRESH=has_fresh,
+        HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
+        K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
+        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     out = torch.empty(b, hq, tq, d, dtype=out_dtype, device=dev)
     block_r = 16

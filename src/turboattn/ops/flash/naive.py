@@ -91,3 +91,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         lse = (torch.log(denom) + m).squeeze(-1)
         return out, lse
     return out
+
+
+def flash_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                          sliding_window: int | None = None, mask: torch.Tensor | None = None,
+                          scale: float | None = None, softcap: float | None = None,
+                          sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                          return_lse: bool = False):
+    """The twin of triton.flash_attention_triton, with its signature: attention_reference in float32."""
+    return attention_reference(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask, scale=scale,
+                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, return_lse=return_lse)

@@ -16,9 +16,11 @@ import triton
 import triton.language as tl
 
 from ...format import codebook
-from ..triton_lib import device_centroids, device_signs, hadamard_any, hadamard_tile, plane_pair, row_vector_bytes
-
-SCALE_RULE_IDS = {"rms": 0, "corrected": 1, "lsq": 2}
+from ...format.codec import KVCodec
+from ...format.layout import CacheLayout
+from ...format.rotation import device_signs
+from ..triton_lib import hadamard_any, hadamard_tile
+from .config import plan_quantize
 
 
 # Cell search by a uniform grid over u in [GRID_LO, -GRID_LO): grid cell g holds the
@@ -185,15 +187,15 @@ def cell_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
     edges = lo + step * torch.arange(size, dtype=torch.float32)
     grid = torch.searchsorted(bounds, edges).to(torch.int16)  # boundaries strictly below each edge
     padded = torch.cat([bounds, torch.tensor([float("inf")])])
-    return device_centroids(bits, device, torch.float32), padded.to(device), grid.to(device)
+    return codebook.device_centroids(bits, device, torch.float32), padded.to(device), grid.to(device)
 
 
-def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor | None) -> None:
-    """Write k, v [B, Hkv, T, D] into `cache` at each sequence's next slots (cache.seen is not advanced here).
+def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
+                           new_lengths: torch.Tensor | None) -> None:
+    """Write k, v [B, Hkv, T, D] into each sequence's next slots (layout.seen is not advanced here).
 
-    k is in the model's domain: the kernel applies the cache's key transform, if any."""
-    codec = cache.codec
-    key_xform = cache.key_gain is not None
+    k is in the model's domain: the kernel applies the key transform, if any."""
+    key_xform = layout.has_key_transform
     d = codec.head_dim
     b, hkv, t, _ = k.shape
     if k.stride(3) != 1:
@@ -201,20 +203,20 @@ def quantize_append(cache, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.
     if v.stride(3) != 1:
         v = v.contiguous()
     dev = k.device
+    k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
     k_cb, k_bounds, k_grid = cell_tables(codec.k_bits, dev)
     v_cb, v_bounds, v_grid = cell_tables(codec.v_bits, dev)
-    block_t = {64: 64, 128: 64, 256: 32, 512: 16}[d]
-    grid = (triton.cdiv(t, block_t), b * hkv, 2)
+    plan = plan_quantize(d)
+    grid = (triton.cdiv(t, plan.block_t), b * hkv, 2)
     _quantize_append_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
+        layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
         k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
-        *(cache.key_shift, cache.key_gain) if key_xform else (k_cb, k_cb),
-        cache.seen, new_lengths if new_lengths is not None else cache.seen, t, cache.capacity, hkv,
-        D=d, K_BITS=codec.k_bits, K_W0=plane_pair(codec.k_bits)[0], K_W1=plane_pair(codec.k_bits)[1],
-        V_BITS=codec.v_bits, V_W0=plane_pair(codec.v_bits)[0], V_W1=plane_pair(codec.v_bits)[1],
-        RULE=SCALE_RULE_IDS[codec.scale_rule], BLOCK_T=block_t, RING=cache.is_ring,
-        HAS_LENGTHS=new_lengths is not None,
-        K_VEC=row_vector_bytes(codec.code_bytes("k")), V_VEC=row_vector_bytes(codec.code_bytes("v")),
-        KEY_XFORM=key_xform, num_warps=4,
+        *(layout.key_shift, layout.key_gain) if key_xform else (k_cb, k_cb),
+        layout.seen, new_lengths if new_lengths is not None else layout.seen, t, layout.capacity, hkv,
+        D=d, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
+        V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
+        RULE=codec.scale_rule_id, BLOCK_T=plan.block_t, RING=layout.is_ring,
+        HAS_LENGTHS=new_lengths is not None, K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
+        KEY_XFORM=key_xform, num_warps=plan.num_warps,
     )

@@ -1,0 +1,85 @@
+"""The compressed cache's tensors as one view: what every op reads and writes, and nothing else.
+
+A cache object (cache/) owns these tensors and the Python-side bookkeeping
+(host length copies, growth, validation); the ops take this view, so that no
+kernel file knows about a cache class and nothing below cache/ calls back up.
+
+Layout: codes [B, Hkv, N, D*bits/8] uint8 and scales [B, Hkv, N, D/block]
+float32 for K and for V, N = slots.  The token at absolute position p of
+sequence b lives in slot p (contiguous) or p mod W (ring of W = sliding
+window slots).  `seen[b]` counts tokens appended to sequence b (its next
+absolute position); positions < `starts[b]` are left padding, never attended.
+With a key transform (key_transform.py), keys are stored as (k - shift) * gain
+and attention multiplies q by gain_inv = 1 / gain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value
+class CacheLayout:
+    k_codes: torch.Tensor
+    k_scales: torch.Tensor
+    v_codes: torch.Tensor
+    v_scales: torch.Tensor
+    seen: torch.Tensor                       # [B] int32, on the cache's device
+    starts: torch.Tensor                     # [B] int32
+    sliding_window: int | None = None        # a ring of exactly this many slots when set
+    key_shift: torch.Tensor | None = None    # [B, Hkv, D] float32, or None without a key transform
+    key_gain: torch.Tensor | None = None
+    key_gain_inv: torch.Tensor | None = None
+    key_shifted: bool = False                # whether key_shift is non-zero (a host flag: no sync to read it)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k_codes.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_codes.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k_codes.shape[2]
+
+    @property
+    def is_ring(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def has_key_transform(self) -> bool:
+        return self.key_gain is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_codes.device
+
+
+def slot_positions(layout: CacheLayout) -> torch.Tensor:
+    """Absolute position held by each slot [B, N] (int64); -1 for empty or padding slots."""
+    n = layout.capacity
+    slot = torch.arange(n, device=layout.device)[None, :]
+    seen = layout.seen.to(torch.int64)[:, None]
+    if layout.is_ring:
+        # Largest p < seen with p = slot (mod W).
+        pos = slot + n * torch.div(seen - 1 - slot, n, rounding_mode="floor")
+    else:
+        pos = slot.expand(layout.batch_size, -1)
+    valid = (pos >= 0) & (pos < seen) & (pos >= layout.starts.to(torch.int64)[:, None])
+    return torch.where(valid, pos, torch.full_like(pos, -1))
+
+
+def dequantize_slots(layout: CacheLayout, codec, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot as K, V [B, Hkv, N, D] in the model's domain (key transform undone); pair with
+    slot_positions().  `codec` is the KVCodec the slots were written with."""
+    from .codec import Packed
+    from .key_transform import from_stored_keys
+    k = codec.dequantize(Packed(layout.k_codes, layout.k_scales), "k", dtype)
+    v = codec.dequantize(Packed(layout.v_codes, layout.v_scales), "v", dtype)
+    if layout.has_key_transform:
+        k = from_stored_keys(k, layout.key_shift, layout.key_gain)
+    return k, v

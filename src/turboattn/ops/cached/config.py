@@ -1,0 +1,75 @@
+"""Launch plan of the compressed-cache attention kernel: tiles, warps, split count and lookup.
+
+The plan is chosen once per call on the host from shapes and host-known lengths
+(nothing is read from the device), and it is an explicit argument of the op,
+so a captured CUDA graph or a static cache can fix it (e.g. num_splits from
+the capacity rather than the current length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+import torch
+
+from ..launch import num_splits_for
+
+LOOKUPS = ("gather", "lut")
+
+# The kernel is latency-bound with 2 programs resident per SM (255 registers); more, shorter
+# splits measured faster at B=8 (402 -> 334 us at 8 per SM), until splits get too short (B=1).
+PROGRAMS_PER_SM = 8
+MIN_KEYS_PER_SPLIT = 1024
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    block_m: int       # query rows (Tq x GQA group) per program
+    block_n: int       # keys per tile
+    num_warps: int
+    num_stages: int
+    num_splits: int    # split-K programs per (sequence, KV head); the fresh-token part is extra
+    lookup: str        # "lut": 4-bit sides decode through a register LUT (CUDA); "gather": table loads
+
+    def __post_init__(self):
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"lookup must be one of {LOOKUPS}, got {self.lookup!r}")
+        for name in ("block_m", "block_n", "num_warps", "num_stages", "num_splits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodePlan.{name} must be a positive int, got {value!r}")
+
+    def to_list(self) -> list[int]:
+        """The plan as the op's int list (lookup as its index in LOOKUPS)."""
+        return [*astuple(self)[:5], LOOKUPS.index(self.lookup)]
+
+    @classmethod
+    def from_list(cls, values) -> DecodePlan:
+        *ints, lookup = (int(x) for x in values)
+        return cls(*ints, LOOKUPS[lookup])
+
+
+def _tile(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): D = 512 needs smaller key tiles to fit shared memory."""
+    if head_dim == 512:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, batch_kv_heads: int,
+                query_rows: int, max_tokens: int, num_splits: int | None = None,
+                programs_per_sm: int | None = None) -> DecodePlan:
+    """The plan for query_rows = Tq x GQA group rows per KV head over up to max_tokens cached keys."""
+    block_m = 16 if query_rows <= 16 else 64
+    block_n, num_warps, num_stages = _tile(head_dim)
+    if num_splits is None:
+        row_blocks = -(-query_rows // block_m)
+        num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,
+                                    programs_per_sm or PROGRAMS_PER_SM, max(MIN_KEYS_PER_SPLIT, 4 * block_n))
+    lookup = "lut" if device.type == "cuda" else "gather"  # the LUT is inline PTX: no interpreter
+    if head_dim == 64 and block_m == 64 and (k_bits == 4) != (v_bits == 4):
+        # Triton 3.6 miscompiles this mix (one side through the asm LUT, the other through the
+        # gather) at D = 64 with 64-row tiles: illegal shared-memory reads or NaN on an H200
+        # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
+        lookup = "gather"
+    return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup)

@@ -1,0 +1,39 @@
+"""Attention over the compressed cache in plain PyTorch: the twin of triton.py.
+
+Dequantizes every slot, attaches absolute positions and runs the exact
+reference attention; the Triton kernel must agree with it within the float16
+rounding of its dot operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...format.codec import KVCodec
+from ...format.layout import CacheLayout, dequantize_slots, slot_positions
+from ..flash.naive import attention_reference
+
+
+def cached_attention_naive(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
+                           v: torch.Tensor | None = None, scale: float | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           plan=None, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [B, Hq, Tq, D] over the cache (plus fresh k, v [B, Hkv, Tq, D] after it); semantics of
+    attention.cached_attention.  `plan` (the kernels' launch plan) is accepted and ignored."""
+    tq = q.shape[2]
+    k_all, v_all = dequantize_slots(layout, codec, compute_dtype)
+    k_pos = slot_positions(layout)
+    seen = layout.seen.to(torch.int64)[:, None]
+    offsets = torch.arange(tq, device=q.device)[None]
+    if k is not None:
+        fresh_pos = seen + offsets
+        fresh_pos = torch.where(fresh_pos >= layout.starts.to(torch.int64)[:, None], fresh_pos, -1)
+        k_all = torch.cat([k_all, k.to(compute_dtype)], dim=2)
+        v_all = torch.cat([v_all, v.to(compute_dtype)], dim=2)
+        k_pos = torch.cat([k_pos, fresh_pos], dim=1)
+        q_pos = seen + offsets
+    else:
+        q_pos = seen - tq + offsets
+    return attention_reference(q, k_all, v_all, causal=True, sliding_window=layout.sliding_window,
+                               scale=scale, softcap=softcap, sinks=sinks,
+                               q_positions=q_pos, k_positions=k_pos, compute_dtype=compute_dtype)

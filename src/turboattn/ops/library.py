@@ -1,0 +1,88 @@
+"""The ops as torch ops (`torch.ops.turboattn.*`): a schema, a fake implementation for tracing, and a
+body that runs the implementation the caller chose (backend.choose) on plain tensors.
+
+Arguments are flat tensors and scalars (a cache's CacheLayout spelled out, a codec as its bits),
+so that torch.compile and CUDA graphs see the ops as opaque calls with known outputs.  The public
+functions (attention.py, cache/) validate, then call these.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from ..format.codec import KVCodec
+from ..format.layout import CacheLayout
+from . import backend, cached, flash, quantize  # noqa: F401  (the packages register their implementations)
+from .cached.config import DecodePlan
+
+
+@lru_cache(maxsize=None)
+def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected") -> KVCodec:
+    return KVCodec(head_dim, k_bits, v_bits, scale_rule)
+
+
+def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
+            key_gain_inv=None, key_shifted=False) -> CacheLayout:
+    return CacheLayout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
+                       key_gain_inv, key_shifted)
+
+
+@torch.library.custom_op("turboattn::quantize_append", mutates_args=("k_codes", "k_scales", "v_codes", "v_scales"))
+def quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
+                    seen: Tensor, starts: Tensor, new_lengths: Tensor | None, key_shift: Tensor | None,
+                    key_gain: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
+                    scale_rule: str, impl: str) -> None:
+    """Code k, v [B, Hkv, T, D] into the slots after seen[b] (seen itself is the caller's to advance)."""
+    layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain)
+    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule)
+    backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
+
+
+@quantize_append.register_fake
+def _(k, v, k_codes, k_scales, v_codes, v_scales, seen, starts, new_lengths, key_shift, key_gain, sliding_window,
+      k_bits, v_bits, scale_rule, impl) -> None:
+    return None
+
+
+@torch.library.custom_op("turboattn::cached_attention", mutates_args=())
+def cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
+                     seen: Tensor, starts: Tensor, k: Tensor | None, v: Tensor | None, key_shift: Tensor | None,
+                     key_gain: Tensor | None, key_gain_inv: Tensor | None, key_shifted: bool,
+                     sinks: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
+                     scale: float | None, softcap: float | None, plan: list[int], impl: str) -> Tensor:
+    """Attention of q [B, Hq, Tq, D] over the cache (plus fresh k, v); plan is DecodePlan.to_list()."""
+    layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
+                     key_gain_inv, key_shifted)
+    return backend.load("cached_attention", impl)(q, layout, _codec(q.shape[-1], k_bits, v_bits), k, v,
+                                                  scale=scale, softcap=softcap, sinks=sinks,
+                                                  plan=DecodePlan.from_list(plan))
+
+
+@cached_attention.register_fake
+def _(q, k_codes, k_scales, v_codes, v_scales, seen, starts, k, v, key_shift, key_gain, key_gain_inv, key_shifted,
+      sinks, sliding_window, k_bits, v_bits, scale, softcap, plan, impl):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("turboattn::flash_attention", mutates_args=())
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, sliding_window: int | None, mask: Tensor | None,
+                    scale: float | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None,
+                    return_lse: bool, impl: str) -> tuple[Tensor, Tensor]:
+    """Dense attention; returns (out, lse [B, Hq, Lq] float32), lse empty unless return_lse."""
+    result = backend.load("flash_attention", impl)(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
+                                                   scale=scale, softcap=softcap, sinks=sinks,
+                                                   alibi_slopes=alibi_slopes, return_lse=return_lse)
+    if return_lse:
+        return result
+    # A fresh tensor: an op's outputs may not alias each other.
+    return result, q.new_empty(0, dtype=torch.float32)
+
+
+@flash_attention.register_fake
+def _(q, k, v, causal, sliding_window, mask, scale, softcap, sinks, alibi_slopes, return_lse, impl):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:3] if return_lse else (0,), dtype=torch.float32)
+    return out, lse
