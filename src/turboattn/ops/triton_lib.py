@@ -98,9 +98,9 @@ def online_softmax(s, m, l, MAY_BE_EMPTY: tl.constexpr):
 @triton.jit
 def finish_split(acc, m, l):
     """A split's partial result: (acc / l, its log2-sum-exp); a row that saw nothing gives (0, -inf)."""
-    inv = tl.where(l > 0, 1.0 / l, 0.0)
-    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-    return acc * inv[:, None], lse
+    safe = tl.where(l > 0, l, 1.0)
+    lse = tl.where(l > 0, m + tl.log2(safe), float("-inf"))
+    return acc * tl.where(l > 0, 1.0 / safe, 0.0)[:, None], lse
 
 
 @triton.jit

@@ -1,0 +1,133 @@
+"""The torch ops (torch.ops.turboattn.*) and the backend registry behind them.
+
+torch.library.opcheck runs each op for real and through its fake
+implementation, checks the schema (which arguments it mutates), and traces it
+the way torch.compile does; every implementation registered for the CPU is
+checked (Triton under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import turboattn as ta
+from turboattn.ops import backend
+from turboattn.ops.cached.config import DecodePlan, plan_decode
+
+IMPLS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+def _cache(gen, window=None):
+    cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 3), 2, 2, capacity=None if window else 40, sliding_window=window)
+    cache.append(torch.randn(2, 2, 21, 64, generator=gen), torch.randn(2, 2, 21, 64, generator=gen),
+                 backend="torch")
+    return cache
+
+
+def _cached_args(cache, q, k, v, impl):
+    layout = cache.layout
+    plan = plan_decode(q.device, 64, 4, 3, 4, q.shape[2] * 2, 21, num_splits=2)
+    return (q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
+            None, None, None, False, None, layout.sliding_window, 4, 3, None, None, plan.to_list(), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [None, 16])
+def test_opcheck_cached_attention(impl, window, gen):
+    cache = _cache(gen, window)
+    q = torch.randn(2, 4, 2, 64, generator=gen).half()
+    k, v = (torch.randn(2, 2, 2, 64, generator=gen).half() for _ in range(2))
+    torch.library.opcheck(torch.ops.turboattn.cached_attention.default, _cached_args(cache, q, k, v, impl))
+    torch.library.opcheck(torch.ops.turboattn.cached_attention.default, _cached_args(cache, q[:, :, :1], None, None,
+                                                                                     impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_quantize_append(impl, gen):
+    cache = _cache(gen)
+    layout = cache.layout
+    k, v = (torch.randn(2, 2, 3, 64, generator=gen) for _ in range(2))
+    lengths = torch.tensor([3, 1], dtype=torch.int32)
+    for new_lengths in (None, lengths):
+        torch.library.opcheck(torch.ops.turboattn.quantize_append.default,
+                              (k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
+                               layout.starts, new_lengths, None, None, None, 4, 3, "corrected", impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_opcheck_flash_attention(impl, return_lse, gen):
+    q = torch.randn(1, 4, 5, 64, generator=gen).half()
+    k, v = (torch.randn(1, 2, 7, 64, generator=gen).half() for _ in range(2))
+    torch.library.opcheck(torch.ops.turboattn.flash_attention.default,
+                          (q, k, v, True, None, None, None, None, None, None, return_lse, impl))
+
+
+def test_public_functions_call_the_ops(gen, monkeypatch):
+    """cached_attention / flash_attention / append go through torch.ops.turboattn (what compile sees)."""
+    calls = []
+    real = backend.load
+
+    def spy(op, name):
+        calls.append((op, name))
+        return real(op, name)
+    monkeypatch.setattr(backend, "load", spy)
+    cache = _cache(gen)
+    q = torch.randn(2, 4, 1, 64, generator=gen)
+    ta.cached_attention(q, cache)
+    ta.flash_attention(q, q, q)
+    cache.append(q[:, :2], q[:, :2])
+    assert calls == [("quantize_append", "torch"), ("cached_attention", "torch"), ("flash_attention", "torch"),
+                     ("quantize_append", "torch")]
+
+
+def test_auto_picks_by_device_and_forcing_checks():
+    cpu = torch.device("cpu")
+    for op in ("quantize_append", "cached_attention", "flash_attention"):
+        assert backend.choose(op, "auto", cpu) == "torch"
+        assert backend.choose(op, "torch", cpu) == "torch"
+        names = [impl.name for impl in backend.implementations(op)]
+        assert names[-1] == "torch" and "triton" in names  # best first; torch is the fallback
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\)"):
+        backend.choose("cached_attention", "cuda", cpu)
+
+
+def test_a_new_implementation_is_one_registration(monkeypatch):
+    """A registered implementation with a higher priority serves "auto" on its devices, imported lazily."""
+    monkeypatch.setitem(backend._REGISTRY, "flash_attention", dict(backend._REGISTRY["flash_attention"]))
+    backend.register("flash_attention", "triton", "turboattn.ops.flash.naive:flash_attention_naive",
+                     priority=20, devices=("cpu",))
+    backend.load.cache_clear()
+    try:
+        assert backend.choose("flash_attention", "auto", torch.device("cpu")) == "triton"
+        q = torch.randn(1, 2, 3, 64)
+        assert torch.equal(ta.flash_attention(q, q, q), ta.flash_attention(q, q, q, backend="torch"))
+    finally:
+        backend.load.cache_clear()
+
+
+def test_decode_plan_round_trips_and_validates():
+    plan = DecodePlan(16, 64, 4, 3, 5, "lut")
+    assert DecodePlan.from_list(plan.to_list()) == plan
+    with pytest.raises(ValueError, match="lookup must be one of"):
+        DecodePlan(16, 64, 4, 3, 5, "table")
+    with pytest.raises(ValueError, match="num_splits must be a positive int"):
+        DecodePlan(16, 64, 4, 3, 0, "lut")
+
+
+def test_plan_and_num_splits_reach_the_kernel(gen):
+    """An explicit plan or num_splits changes only how the work is split, not the result."""
+    cache = _cache(gen)
+    q = torch.randn(2, 4, 1, 64, generator=gen).half()
+    base = ta.cached_attention(q, cache, backend="torch")
+    if "triton" not in IMPLS:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    for kwargs in ({"num_splits": 1}, {"num_splits": 3}, {"plan": DecodePlan(16, 16, 4, 1, 2, "gather")}):
+        out = ta.cached_attention(q, cache, backend="triton", **kwargs)
+        # float16 dot operands: each rounding is at most 2^-11 relative (as in test_kernels_cached.py).
+        assert float((out.double() - base.double()).norm() / base.double().norm()) < 4 * 2.0**-11
+    with pytest.raises(TypeError, match="plan must be a turboattn.ops.cached.config.DecodePlan"):
+        ta.cached_attention(q, cache, plan=[16, 16, 4, 1, 2, 0])
