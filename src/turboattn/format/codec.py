@@ -112,6 +112,16 @@ def unpack_codes(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     return idx
 
 
+def check_coding_options(k_bits, v_bits, scale_rule) -> None:
+    """ValueError unless the bit widths and scale rule are ones the format has (head_dim aside)."""
+    for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+        # `4.0 in SUPPORTED_BITS` is True, and a float width breaks every size computation.
+        if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
+            raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+
+
 @dataclass(frozen=True)
 class KVCodec:
     """Frozen description of the compressed K/V format for one head_dim."""
@@ -123,13 +133,7 @@ class KVCodec:
 
     def __post_init__(self):
         rotation.check_head_dim(self.head_dim)
-        for name in ("k_bits", "v_bits"):
-            bits = getattr(self, name)
-            # `4.0 in SUPPORTED_BITS` is True, and a float width breaks every size computation.
-            if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
-                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
-        if self.scale_rule not in SCALE_RULES:
-            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
+        check_coding_options(self.k_bits, self.v_bits, self.scale_rule)
 
     # -- format geometry -------------------------------------------------
     @property
