@@ -41,7 +41,7 @@ import torch
 
 from ..attention import cached_attention, flash_attention
 from ..cache import QuantizedKVCache
-from ..format.codec import SCALE_RULES, SUPPORTED_BITS, KVCodec
+from ..format.codec import KVCodec, check_coding_options
 from ..format.key_transform import KEY_FITS, MIN_FIT_TOKENS, fit_key_transform
 
 ATTN_NAME = "turboattn"
@@ -223,11 +223,7 @@ class TurboQuantCache(Cache):
     def __init__(self, config, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  quantize_current: bool = False, max_cache_len: int | None = None,
                  fit_keys: str = KEY_FIT_DEFAULT):
-        for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
-            if bits not in SUPPORTED_BITS:
-                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
-        if scale_rule not in SCALE_RULES:
-            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+        check_coding_options(k_bits, v_bits, scale_rule)
         if fit_keys not in KEY_FITS:
             raise ValueError(f"fit_keys must be one of {KEY_FITS}, got {fit_keys!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
