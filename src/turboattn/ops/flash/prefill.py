@@ -46,6 +46,23 @@ def _load_kv_tile(K, V, k_desc, v_desc, b, hk, k_base, v_base, offs_n, offs_d, s
 
 
 
+@triton.jit
+def _masked_edge(acc, m_i, l_i, q, lo, hi, K, V, k_desc, v_desc, b, hk, k_base, v_base, offs_d, q_pos, slope,
+                 kv_lo, Lk, D, window, stride_kn, stride_vn, qk_scale, softcap,
+                 EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) that some row of the query tile sees only in part: bounded loads, masked scores."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_tile(K, V, k_desc, v_desc, b, hk, k_base, v_base, offs_n, offs_d, start_n,
+                             Lk, D, stride_kn, stride_vn, True, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)
+        acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k, v, offs_n, q_pos, slope, kv_lo, Lk, window,
+                                     qk_scale, softcap, 0.0, True, False, CAUSAL, HAS_WINDOW,
+                                     HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
 # Lengths and counts stay generic so one compiled kernel serves every shape.
 @triton.jit(do_not_specialize=["Hq", "group", "Lq", "Lk", "D", "window", "n_q_tiles", "n_k_tiles"])
 def _flash_fwd(Q, K, V, Out, Lse, Sinks, Slopes, KvStart, Mask, TileOrder, TileCount, TileClass,
@@ -144,13 +161,10 @@ def _flash_fwd(Q, K, V, Out, Lse, Sinks, Slopes, KvStart, Mask, TileOrder, TileC
         t_hi = tl.where(k_hi > k_lo, t_hi, t_lo)
         a_end = tl.minimum(tl.maximum((f_lo + BLOCK_N - 1) // BLOCK_N, t_lo), t_hi)
         b_end = tl.minimum(tl.maximum(f_hi // BLOCK_N, a_end), t_hi)
-        for start_n in range(t_lo * BLOCK_N, a_end * BLOCK_N, BLOCK_N):
-            offs_n = start_n + arange_n
-            k, v = _load_kv_tile(K, V, k_desc, v_desc, b, hk, k_base, v_base, offs_n, offs_d, start_n,
-                                 Lk, D, stride_kn, stride_vn, True, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)
-            acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k, v, offs_n, q_pos, slope, kv_lo, Lk, window,
-                                         qk_scale, softcap, no_bias, True, False, CAUSAL, HAS_WINDOW,
-                                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        acc, m_i, l_i = _masked_edge(acc, m_i, l_i, q, t_lo * BLOCK_N, a_end * BLOCK_N, K, V, k_desc, v_desc, b, hk, k_base, v_base,
+                                     offs_d, q_pos, slope, kv_lo, Lk, D, window, stride_kn, stride_vn, qk_scale,
+                                     softcap, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                     HAS_ALIBI, DOT_PRECISION)
         for start_n in tl.range(a_end * BLOCK_N, b_end * BLOCK_N, BLOCK_N, warp_specialize=WARP_SPEC):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + arange_n
@@ -159,13 +173,10 @@ def _flash_fwd(Q, K, V, Out, Lse, Sinks, Slopes, KvStart, Mask, TileOrder, TileC
             acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k, v, offs_n, q_pos, slope, kv_lo, Lk, window,
                                          qk_scale, softcap, no_bias, False, False, CAUSAL, HAS_WINDOW,
                                          HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        for start_n in range(b_end * BLOCK_N, t_hi * BLOCK_N, BLOCK_N):
-            offs_n = start_n + arange_n
-            k, v = _load_kv_tile(K, V, k_desc, v_desc, b, hk, k_base, v_base, offs_n, offs_d, start_n,
-                                 Lk, D, stride_kn, stride_vn, True, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)
-            acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k, v, offs_n, q_pos, slope, kv_lo, Lk, window,
-                                         qk_scale, softcap, no_bias, True, False, CAUSAL, HAS_WINDOW,
-                                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        acc, m_i, l_i = _masked_edge(acc, m_i, l_i, q, b_end * BLOCK_N, t_hi * BLOCK_N, K, V, k_desc, v_desc, b, hk, k_base, v_base,
+                                     offs_d, q_pos, slope, kv_lo, Lk, D, window, stride_kn, stride_vn, qk_scale,
+                                     softcap, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                     HAS_ALIBI, DOT_PRECISION)
 
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32) * LOG2E
