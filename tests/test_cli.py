@@ -87,3 +87,65 @@ def test_info_prints_plain_text_without_rich(monkeypatch, capsys):
     print_info()
     out = capsys.readouterr().out
     assert "k_bits" in out and "136 B  3.76x" in out  # k4v4 at D=128
+
+
+BENCH_SUITES = ("decode", "quantize", "prefill", "decode-sweep", "key-transform", "sanitize-cases")
+
+
+def test_bench_lists_its_suites(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and all(s in out for s in BENCH_SUITES)
+
+
+@pytest.mark.parametrize("suite", BENCH_SUITES)
+def test_bench_suite_help(suite, capsys):
+    """Every suite parses its options and describes itself without a GPU."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", suite, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and f"turboattn bench {suite}" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode-sweep", "--lookup", "lut,foo"], "'foo' is not one of lut, gather"),
+    (["decode-sweep", "--block-n", "48"], "powers of two"),
+    (["decode-sweep", "--stages", "two"], "positive ints"),
+    (["decode-sweep", "--shapes", "8,32,8,128"], "B,Hq,Hkv,D,L"),
+    (["decode-sweep", "--shapes", "8,32,6,128,1024"], "multiple of Hkv"),
+    (["decode-sweep", "--presets", "k7v4"], "bits of 'k7v4'"),
+    (["decode-sweep", "--num-splits", "8", "--programs-per-sm", "4"], "not allowed with"),
+    (["prefill", "--configs", "m64n64w8q1"], "cannot read 'q1'"),
+    (["prefill", "--configs", "n64w8s1"], "lacks BLOCK_M"),
+    (["prefill", "--decode-configs", "n32w4s2tma"], "tma does not apply to the decode kernel"),
+    (["key-transform", "--preset", "k4v4,k8v8"], "one preset"),
+    (["sanitize-cases", "--cases", "all"], "'all' is not one of small, passkey"),
+])
+def test_bench_rejects_bad_values(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {argv[1]}" in err and message in err
+
+
+def test_bench_arguments_parse():
+    from turboattn.cli.bench import decode_sweep
+    from turboattn.cli.bench.prefill_configs import parse_config
+    args = cli.build_parser().parse_args(
+        ["bench", "decode-sweep", "--block-n", "32,64", "--warps", "4", "--stages", "2,3", "--programs-per-sm",
+         "2,4,8", "--lookup", "lut,gather", "--shapes", "8,32,8,128,32768", "1,32,8,128,4096"])
+    assert args.shapes == [(8, 32, 8, 128, 32768), (1, 32, 8, 128, 4096)] and args.presets == [(4, 4), (8, 8)]
+    assert len(decode_sweep.variants(args, (4, 4))) == 2 * 2 * 3 * 2
+    assert len(decode_sweep.variants(args, (8, 8))) == 2 * 2 * 3   # the LUT only serves 4-bit codes
+    assert {v["lookup"] for v in decode_sweep.variants(args, (8, 8))} == {None}
+    assert parse_config("m64n32w8s2tma_ws", "prefill") == dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2,
+                                                              tma=True, warp_specialize=True)
+    assert parse_config("m64n32w8s2", "prefill")["tma"] is False   # pointer loads, not the default's TMA
+    assert parse_config("n16w4s2sp198", "decode") == dict(BLOCK_N=16, num_warps=4, num_stages=2, splits=198)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without a GPU")
+def test_bench_without_gpu_says_so():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        cli.main(["bench", "sanitize-cases"])

@@ -13,7 +13,7 @@ from turboattn import KVCodec, QuantizedKVCache  # noqa: E402
 from turboattn.cli import eval as ev  # noqa: E402
 from turboattn.cli.corpus import CORPUS_INFO, corpus_text  # noqa: E402
 
-from test_hf import random_ids, teacher_forced_logits, tiny_gemma3, tiny_llama  # noqa: E402
+from hf_models import random_ids, teacher_forced_logits, tiny_gemma3, tiny_llama  # noqa: E402
 
 
 def test_bits_per_element_counts_scales():

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu,
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 
 
-def _run(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16, kv_start=None, mask=None, **kw):
+def _run(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16, kv_start=None, mask=None, config=None, path=None, **kw):
+    """config / path go to the Triton launcher only (a block configuration, a forced kernel)."""
     from turboattn.ops.flash.triton import flash_attention_triton
     from turboattn.ops.flash.naive import attention_reference
     q = torch.randn(b, hq, lq, d, device="cuda", dtype=dtype)
@@ -25,7 +26,7 @@ def _run(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16, kv_start=None, mask=None, 
     v = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
     out = torch.full_like(q, float("nan"))
     res, lse = flash_attention_triton(q, k, v, mask=mask, kv_start=kv_start, return_lse=True,
-                                      allow_sdpa=False, **kw)
+                                      allow_sdpa=False, config=config, path=path, **kw)
     out.copy_(res)
     ref_mask = mask
     if kv_start is not None:
@@ -70,6 +71,75 @@ def test_softcap_alibi_sinks():
 @pytest.mark.parametrize("lk", [1, 4097, 32768])
 def test_decode_d512_gqa8(lk):
     _run(1, 16, 2, 1, lk, 512, causal=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 300, 450, 80, False), (1, 6, 2, 500, 500, 192, True)],
+                         ids=["full-d80-gqa4", "causal-d192-gqa3"])
+def test_head_dims_that_are_not_powers_of_two(shape):
+    *dims, causal = shape
+    _run(*dims, causal=causal)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 4, 300, 1100, 128), (1, 2, 1, 900, 400, 512)], ids=["lq<lk", "lq>lk"])
+def test_causal_bottom_right_lq_ne_lk(shape):
+    _run(*shape, causal=True)
+
+
+def test_additive_mask_with_fully_masked_rows():
+    lq = lk = 640
+    mask = torch.randn(1, 4, lq, lk, device="cuda").to(torch.bfloat16)
+    mask[..., : lq // 2, lk // 2:] = -math.inf   # whole tiles skipped
+    mask[..., lq // 2:, : lk // 2] = 0
+    mask[..., 1, :] = -math.inf                  # a row with no key: output 0, LSE -inf
+    _run(1, 4, 4, lq, lk, 256, mask=mask)
+
+
+def test_softcap_sinks_window_d512():
+    _run(1, 4, 2, 800, 800, 512, causal=True, softcap=30.0, sinks=torch.randn(4, device="cuda"),
+         sliding_window=200)
+
+
+def test_decode_d512_window_sinks_softcap_kv_start():
+    _run(2, 16, 2, 1, 5000, 512, causal=True, sliding_window=3000, sinks=torch.randn(16, device="cuda"),
+         softcap=25.0, kv_start=torch.tensor([0, 1234], dtype=torch.int32, device="cuda"))
+
+
+def test_decode_kernel_with_several_queries_and_a_mask():
+    """Lq = 4 with a GQA group of 8 (32 rows) still takes the decode kernel."""
+    mask = torch.rand(2, 1, 4, 3000, device="cuda") < 0.8
+    mask[..., 1000:1500] = False
+    _run(2, 16, 2, 4, 3000, 128, causal=True, mask=mask, path="decode")
+
+
+def test_decode_d256_alibi():
+    _run(1, 8, 8, 1, 4100, 256, alibi_slopes=torch.rand(8, device="cuda") * 0.1)
+
+
+def _candidates(kind):
+    from turboattn.cli.bench.prefill_configs import DECODE_CANDIDATES, PREFILL_CANDIDATES, parse_config
+    if kind == "decode":
+        return [(512, n, parse_config(n, "decode")) for n in DECODE_CANDIDATES.split(",")]
+    return [(d, n, parse_config(n, "prefill")) for d, names in PREFILL_CANDIDATES.items() for n in names.split(",")]
+
+
+def _compiles(fn):
+    """Run fn; skip the test when Triton rejects the configuration on this GPU (shared memory, clusters)."""
+    from triton.runtime.errors import OutOfResources
+    try:
+        fn()
+    except OutOfResources as e:
+        pytest.skip(f"does not fit on this GPU: {e}")
+
+
+@pytest.mark.parametrize("d, name, config", _candidates("prefill"), ids=lambda x: x if isinstance(x, str) else None)
+def test_every_timed_prefill_config_is_correct(d, name, config):
+    """`turboattn bench prefill --configs candidates` times these: each must compute the right thing."""
+    _compiles(lambda: _run(1, 4, 2, 1000, 1000, d, causal=True, config=config, path="prefill"))
+
+
+@pytest.mark.parametrize("d, name, config", _candidates("decode"), ids=lambda x: x if isinstance(x, str) else None)
+def test_every_timed_decode_config_is_correct(d, name, config):
+    _compiles(lambda: _run(1, 16, 2, 1, 32768, d, causal=True, config=config, path="decode"))
 
 
 def test_tile_skipping_changes_nothing():

@@ -18,8 +18,6 @@ from functools import lru_cache
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-# Triton reads this when it is imported, so it is read once here too.
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ def choose(op: str, backend: str, device: torch.device) -> str:
     if missing:
         raise RuntimeError(f"backend={backend!r} needs the {', '.join(missing)} package; install it or use "
                            "backend='torch'")
-    if backend == "triton" and device.type != "cuda" and not TRITON_INTERPRET:
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
     return impl.name
 

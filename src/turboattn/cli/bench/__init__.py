@@ -1,19 +1,38 @@
-"""`turboattn bench {decode,quantize,prefill}`: GPU benchmarks against torch SDPA."""
+"""`turboattn bench <suite>`: GPU benchmarks against torch SDPA, tuning sweeps and sanitizer cases.
+
+One module per suite; each has `run(args)` and, for its own options, `add_arguments(parser)`.
+`turboattn bench <suite> --help` prints the module's description.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-SUITES = ("decode", "quantize", "prefill")
+# suite -> (module, one-line help)
+SUITES = {
+    "decode": ("decode", "one decode step over the compressed cache vs torch SDPA bf16"),
+    "quantize": ("quantize", "fused quantize-and-append vs copy bandwidth"),
+    "prefill": ("prefill", "dense flash attention vs torch SDPA; --configs sweeps block configurations"),
+    "decode-sweep": ("decode_sweep", "compressed-cache decode under explicit launch plans (tiles, splits, lookup)"),
+    "key-transform": ("key_transform", "a decode step's cost with and without the key transform"),
+    "sanitize-cases": ("sanitize", "small decode cases to run under compute-sanitizer"),
+}
+
+
+def _module(suite: str):
+    return importlib.import_module(f".{SUITES[suite][0]}", __name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("suite", choices=SUITES)
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON and PNG results")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    sub = parser.add_subparsers(dest="suite", required=True, metavar="suite",
+                                help=", ".join(SUITES) + " (each takes --help)")
+    for name, (_, summary) in SUITES.items():
+        module = _module(name)
+        p = sub.add_parser(name, help=summary, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
 
 
 def run_bench(args) -> int:
-    module = importlib.import_module(f".{args.suite}", __name__)
-    return module.run(args)
+    return _module(args.suite).run(args)

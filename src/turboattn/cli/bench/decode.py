@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import KVCodec, QuantizedKVCache, cached_attention
+from .args import add_out
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
                      time_us_graph, write_results)
 
@@ -22,8 +23,14 @@ BITS = [(4, 4), (8, 8)]
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)  # context lengths for the plot, at B=8 Hq=32 Hkv=8 D=128
 
 
-def _fill_cache(codec, b, hkv, length, device) -> QuantizedKVCache:
-    cache = QuantizedKVCache(codec, b, hkv, capacity=length, device=device)
+def add_arguments(parser) -> None:
+    add_out(parser)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and context lengths")
+
+
+def fill_cache(codec, b, hkv, length, device, capacity=None) -> QuantizedKVCache:
+    """A cache holding `length` random bf16 tokens per sequence (capacity: default `length`)."""
+    cache = QuantizedKVCache(codec, b, hkv, capacity=capacity or length, device=device)
     chunk = 8192
     for t0 in range(0, length, chunk):
         t = min(chunk, length - t0)
@@ -32,19 +39,24 @@ def _fill_cache(codec, b, hkv, length, device) -> QuantizedKVCache:
     return cache
 
 
+def sdpa_decode_us(q: torch.Tensor, hkv: int, length: int) -> tuple[float, int]:
+    """(CUDA-graph time of SDPA for the decode query q over `length` random bf16 keys, bytes of K and V)."""
+    b, _, _, d = q.shape
+    k = torch.randn(b, hkv, length, d, device=q.device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    return time_us_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)), 2 * k.nbytes
+
+
 def measure(shape, bits, copy_tbs, device) -> dict:
     b, hq, hkv, d, length = shape
     codec = KVCodec(d, *bits)
-    cache = _fill_cache(codec, b, hkv, length, device)
+    cache = fill_cache(codec, b, hkv, length, device)
     q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
     ours_us = time_us_graph(lambda: cached_attention(q, cache))
     ours_eager_us = time_us(lambda: cached_attention(q, cache))
-    k = torch.randn(b, hkv, length, d, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    sdpa_us = time_us_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    sdpa_us, sdpa_bytes = sdpa_decode_us(q, hkv, length)
     ours_bytes = b * hkv * length * codec.bytes_per_token()
-    sdpa_bytes = 2 * k.numel() * k.element_size()
-    del cache, k, v
+    del cache
     torch.cuda.empty_cache()
     ours_tbs = ours_bytes / ours_us / 1e6
     return {

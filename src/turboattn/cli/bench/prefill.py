@@ -1,6 +1,7 @@
 """`turboattn bench prefill`: dense flash attention (ta.flash_attention) vs torch SDPA, same inputs.
 
-Three parts:
+Three parts (or, with --configs / --decode-configs, a sweep of the kernels' block
+configurations instead: prefill_configs.py):
   * causal prefill, bf16, D in {64, 128, 256, 512}, L = 1K..8K (16K tokens per
     batch): TFLOP/s of the path `ta.flash_attention` takes (column `path`), of
     the Triton kernel forced, and of SDPA;
@@ -17,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ... import flash_attention
+from .args import add_out
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
-                     write_results)
+                     time_us_graph, write_results)
 
 PREFILL_DIMS = (64, 128, 256, 512)
 PREFILL_LENGTHS = (1024, 2048, 4096, 8192)
@@ -27,6 +29,14 @@ HEADS = 16
 WINDOW_L = 16384
 WINDOWS = (256, 512, 1024, 2048, 4096, 8192, None)  # None: plain causal
 DECODE_LENGTHS = (4096, 8192, 16384, 32768)
+
+
+def add_arguments(parser) -> None:
+    add_out(parser)
+    parser.add_argument("--quick", action="store_true", help="fewer head dims, lengths and windows")
+    from . import prefill_configs
+    prefill_configs.add_arguments(parser)
+    parser.epilog = prefill_configs.__doc__
 
 
 def visible_pairs(lq: int, lk: int, causal: bool, window: int | None) -> int:
@@ -84,29 +94,26 @@ def measure_window(d: int, window: int | None, length: int = WINDOW_L, heads: in
     return row
 
 
-def graph_time_us(fn, rep_ms: float = 200) -> float | None:
-    """Time of fn replayed from a CUDA graph: the GPU time without Python launch overhead."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return time_us(graph.replay, rep_ms=rep_ms)
-    except Exception:  # capture unsupported here: report eager time only
-        return None
-
-
 def measure_decode(length: int, d: int = 512, hq: int = 16, hkv: int = 2, b: int = 1,
-                   copy_tbs: float | None = None, rep_ms: float = 200) -> dict:
+                   copy_tbs: float | None = None, rep_ms: float = 200, config: dict | None = None) -> dict:
+    """Dense decode (Lq = 1), eager and CUDA-graph time; `config` forces the Triton decode kernel with it."""
     from ...ops.flash.triton import flash_path
     q, k, v = _qkv(b, hq, hkv, 1, length, d)
-    path = flash_path(q, k)
-    ours_us = time_us(lambda: flash_attention(q, k, v, causal=True), rep_ms=rep_ms)
-    graph_us = graph_time_us(lambda: flash_attention(q, k, v, causal=True), rep_ms=rep_ms)
+    if config is None:
+        path = flash_path(q, k)
+
+        def fn():
+            return flash_attention(q, k, v, causal=True)
+    else:
+        path = "decode"
+
+        def fn():
+            return _triton(q, k, v, causal=True, config=config, path="decode")
+    ours_us = time_us(fn, rep_ms=rep_ms)
+    try:
+        graph_us = time_us_graph(fn, rep_ms=rep_ms)
+    except Exception:  # capture unsupported here: report eager time only
+        graph_us = None
     sdpa_us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep_ms=rep_ms)
     nbytes = 2 * k.numel() * k.element_size()
     del q, k, v
@@ -122,6 +129,9 @@ def measure_decode(length: int, d: int = 512, hq: int = 16, hkv: int = 2, b: int
 
 def run(args) -> int:
     require_cuda()
+    if getattr(args, "configs", None) or getattr(args, "decode_configs", None):
+        from .prefill_configs import run_sweep
+        return run_sweep(args)
     out_dir = getattr(args, "out", "benchmarks")
     quick = getattr(args, "quick", False)
     copy_tbs = copy_bandwidth_tbs()

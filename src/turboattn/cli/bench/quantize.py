@@ -5,10 +5,16 @@ from __future__ import annotations
 import torch
 
 from ... import KVCodec, QuantizedKVCache
+from .args import add_out
 from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, time_us, write_results
 
 CASES = [(1, 8, 128, 32768, (4, 4)), (1, 8, 128, 32768, (8, 8)), (1, 8, 128, 32768, (5, 3)),
          (1, 8, 256, 16384, (4, 4)), (1, 2, 512, 32768, (4, 4))]
+
+
+def add_arguments(parser) -> None:
+    add_out(parser)
+    parser.add_argument("--quick", action="store_true", help="the first two cases only")
 
 
 def run(args) -> int:

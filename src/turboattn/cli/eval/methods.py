@@ -1,0 +1,64 @@
+"""What `turboattn eval` compares: presets, and the cache configurations (methods) built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...format.codec import KVCodec
+
+MAIN_PRESETS = ("k8v8", "k6v6", "k5v5", "k4v4", "k4v3", "k3v3", "k2v2")
+# Mixed candidates at <= 4.25 bits/element, counting the float32 scales (per head_dim).
+MIXED_CANDIDATES = {64: ("k5v2", "k4v3", "k3v4"), 128: ("k5v3", "k4v3"), 256: ("k4v4", "k5v3", "k3v5")}
+RULES = ("rms", "corrected", "lsq")
+PEERS = ("quanto-int4", "quanto-int2", "hqq-4", "hqq-2", "turboquant-4", "turboquant-2")
+FIT_SUFFIX = {"balance": "", "center": "-center", "off": "-nofit"}   # method names, stable across defaults
+
+
+def parse_preset(name: str) -> tuple[int, int]:
+    try:
+        k, v = name.lower().removeprefix("k").split("v")
+        return int(k), int(v)
+    except ValueError:
+        raise ValueError(f"preset must look like k4v4, got {name!r}") from None
+
+
+def bits_per_element(preset: str, head_dim: int) -> float:
+    kb, vb = parse_preset(preset)
+    return KVCodec(head_dim, kb, vb).bits_per_element()
+
+
+@dataclass
+class Method:
+    """One cache configuration: a name, how to build its cache, and how to feed it."""
+
+    name: str
+    family: str                 # "bf16" | "turboattn" | peer package
+    make_cache: object          # callable(model) -> transformers Cache
+    step: int = 1               # tokens per decode call (chunks only where exact)
+    info: dict = field(default_factory=dict)
+
+
+def reference_method() -> Method:
+    from transformers import DynamicCache
+    return Method("reference", "reference", lambda m: DynamicCache(config=m.config), step=256)
+
+
+def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_decode: bool = False,
+                 fit_keys: str | None = None) -> Method:
+    """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
+    (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
+    fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys]."""
+    from ...hf import KEY_FIT_DEFAULT, TurboQuantCache
+    fit_keys = fit_keys or KEY_FIT_DEFAULT
+    kb, vb = parse_preset(preset)
+    strict = mode == "strict"
+
+    def make(model):
+        cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys)
+        if not strict and not exact_decode:
+            from ...integrations.decode_emulation import DecodeEmulationLayer
+            cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
+        return cache
+    name = f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys]
+    return Method(name, "turboattn", make, step=1 if exact_decode else chunk,
+                  info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys))
