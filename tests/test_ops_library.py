@@ -67,7 +67,7 @@ def test_opcheck_flash_attention(impl, return_lse, gen):
 
 
 def test_public_functions_call_the_ops(gen, monkeypatch):
-    """cached_attention / flash_attention / append go through torch.ops.turboattn (what compile sees)."""
+    """cached_attention / flash_attention / append run the ops' implementations, chosen by the registry."""
     calls = []
     real = backend.load
 
@@ -131,3 +131,27 @@ def test_plan_and_num_splits_reach_the_kernel(gen):
         assert float((out.double() - base.double()).norm() / base.double().norm()) < 4 * 2.0**-11
     with pytest.raises(TypeError, match="plan must be a turboattn.ops.cached.config.DecodePlan"):
         ta.cached_attention(q, cache, plan=[16, 16, 4, 1, 2, 0])
+
+
+def test_compiled_calls_trace_to_the_ops(gen):
+    """Under torch.compile the public functions are single op calls: fullgraph traces, results match eager."""
+    cache = _cache(gen)
+    q = torch.randn(2, 4, 1, 64, generator=gen)
+    k, v = (torch.randn(2, 2, 1, 64, generator=gen) for _ in range(2))
+
+    def step(q, k, v):
+        return ta.cached_attention(q, cache, k, v), ta.flash_attention(q, k, v)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=capture)
+    got = compiled(q, k, v)
+    want = step(q, k, v)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert "turboattn.cached_attention" in called and "turboattn.flash_attention" in called

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from .cache import QuantizedKVCache
-from .ops import library  # noqa: F401  (registers torch.ops.turboattn)
+from .ops.library import run
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode
 
@@ -101,8 +101,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     elif num_splits is not None:
         plan = replace(plan, num_splits=num_splits)
     layout = cache.layout
-    return torch.ops.turboattn.cached_attention(
-        q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
+    return run(
+        "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
         layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
         cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan.to_list(), impl)
 
@@ -151,6 +151,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_options(hq, q.device, scale, softcap, sinks, alibi_slopes)
 
     impl = choose("flash_attention", backend, q.device)
-    out, lse = torch.ops.turboattn.flash_attention(q, k, v, bool(causal), sliding_window, mask, _float(scale),
-                                                   _float(softcap), sinks, alibi_slopes, bool(return_lse), impl)
+    out, lse = run("flash_attention", q, k, v, bool(causal), sliding_window, mask, _float(scale), _float(softcap),
+                   sinks, alibi_slopes, bool(return_lse), impl)
     return (out, lse) if return_lse else out

@@ -20,7 +20,7 @@ from ..format.codec import FLOAT_DTYPES, KVCodec
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, slot_positions
 from ..ops.backend import check_backend, choose
-from ..ops import library  # noqa: F401  (registers torch.ops.turboattn)
+from ..ops.library import run
 
 
 class QuantizedKVCache:
@@ -204,10 +204,9 @@ class QuantizedKVCache:
                                  f"{worst} tokens, capacity is {self.capacity}")
         impl = choose("quantize_append", backend, k.device)
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
-        torch.ops.turboattn.quantize_append(k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales,
-                                            self.seen, self.starts, n_dev, self.key_shift, self.key_gain,
-                                            self.sliding_window, self.codec.k_bits, self.codec.v_bits,
-                                            self.codec.scale_rule, impl)
+        run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
+            self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
+            self.codec.v_bits, self.codec.scale_rule, impl)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
         else:

@@ -3,7 +3,9 @@ body that runs the implementation the caller chose (backend.choose) on plain ten
 
 Arguments are flat tensors and scalars (a cache's CacheLayout spelled out, a codec as its bits),
 so that torch.compile and CUDA graphs see the ops as opaque calls with known outputs.  The public
-functions (attention.py, cache/) validate, then call these.
+functions (attention.py, cache/) validate, then call `run(op, ...)`: the torch op while
+torch.compile traces, and in eager mode the op's body directly, because the dispatcher's Python
+round trip costs ~25 µs per call, as much as a whole decode kernel at small batch.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, 
                        key_gain_inv, key_shifted)
 
 
-@torch.library.custom_op("turboattn::quantize_append", mutates_args=("k_codes", "k_scales", "v_codes", "v_scales"))
-def quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
+def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
                     seen: Tensor, starts: Tensor, new_lengths: Tensor | None, key_shift: Tensor | None,
                     key_gain: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
                     scale_rule: str, impl: str) -> None:
@@ -41,14 +42,17 @@ def quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_c
     backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
 
 
+quantize_append = torch.library.custom_op("turboattn::quantize_append", _quantize_append,
+                                          mutates_args=("k_codes", "k_scales", "v_codes", "v_scales"))
+
+
 @quantize_append.register_fake
 def _(k, v, k_codes, k_scales, v_codes, v_scales, seen, starts, new_lengths, key_shift, key_gain, sliding_window,
       k_bits, v_bits, scale_rule, impl) -> None:
     return None
 
 
-@torch.library.custom_op("turboattn::cached_attention", mutates_args=())
-def cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
+def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
                      seen: Tensor, starts: Tensor, k: Tensor | None, v: Tensor | None, key_shift: Tensor | None,
                      key_gain: Tensor | None, key_gain_inv: Tensor | None, key_shifted: bool,
                      sinks: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
@@ -61,14 +65,16 @@ def cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tens
                                                   plan=DecodePlan.from_list(plan))
 
 
+cached_attention = torch.library.custom_op("turboattn::cached_attention", _cached_attention, mutates_args=())
+
+
 @cached_attention.register_fake
 def _(q, k_codes, k_scales, v_codes, v_scales, seen, starts, k, v, key_shift, key_gain, key_gain_inv, key_shifted,
       sinks, sliding_window, k_bits, v_bits, scale, softcap, plan, impl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("turboattn::flash_attention", mutates_args=())
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, sliding_window: int | None, mask: Tensor | None,
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, sliding_window: int | None, mask: Tensor | None,
                     scale: float | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None,
                     return_lse: bool, impl: str) -> tuple[Tensor, Tensor]:
     """Dense attention; returns (out, lse [B, Hq, Lq] float32), lse empty unless return_lse."""
@@ -81,8 +87,22 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, sliding_windo
     return result, q.new_empty(0, dtype=torch.float32)
 
 
+flash_attention = torch.library.custom_op("turboattn::flash_attention", _flash_attention, mutates_args=())
+
+
 @flash_attention.register_fake
 def _(q, k, v, causal, sliding_window, mask, scale, softcap, sinks, alibi_slopes, return_lse, impl):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:3] if return_lse else (0,), dtype=torch.float32)
     return out, lse
+
+
+_BODIES = {"quantize_append": _quantize_append, "cached_attention": _cached_attention,
+           "flash_attention": _flash_attention}
+
+
+def run(op: str, *args):
+    """torch.ops.turboattn.<op>(*args) under torch.compile; its body directly in eager mode (same result)."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.turboattn, op)(*args)
+    return _BODIES[op](*args)

@@ -106,12 +106,13 @@ def finish_split(acc, m, l):
 @triton.jit
 def merge_splits(o_part, lse_part, first, stride, num_parts, cols, row_ok, col_ok, sink,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_PITCH: tl.constexpr):
-    """Merge split partials (finish_split's) of rows [BLOCK_R] by their log2-sum-exp.
+    """Merge split partials (finish_split's) of a tile of rows [BLOCK_R] by their log2-sum-exp, a part at a time.
 
     Part p of row r is lse_part[first[r] + p * stride] and the row of ROW_PITCH floats at
     o_part + (first[r] + p * stride) * ROW_PITCH, of which columns `cols` are merged.  `sink`
     [BLOCK_R] is a log2-domain logit joining the denominator only (-inf: none).  Returns
     (out [BLOCK_R, BLOCK_C], lse [BLOCK_R] in log2 units); a row with nothing gives zeros and -inf.
+    For callers that need whole rows together (the cached merge rotates them back).
     """
     m = sink
     for part in range(num_parts):
@@ -126,6 +127,29 @@ def merge_splits(o_part, lse_part, first, stride, num_parts, cols, row_ok, col_o
         o = tl.load(o_part + idx[:, None] * ROW_PITCH + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0)
         acc += w[:, None] * o
-    safe = tl.where(denom > 0, denom, 1.0)
-    lse = tl.where(denom > 0, m_use + tl.log2(safe), float("-inf"))
+    safe, lse = _merged_denominator(m_use, denom)
     return acc / safe[:, None], lse
+
+
+@triton.jit
+def merge_splits_at_once(o_part, lse_part, parts, part_ok, cols, col_ok, sink, ROW_PITCH: tl.constexpr):
+    """merge_splits for one row with all its parts loaded together: `parts` [P] are the part indices.
+
+    For callers with few rows and many splits (dense decode): one program per row and column
+    chunk, no loop, so the merge costs one load latency instead of one per part.  `sink` is a scalar.
+    """
+    lse = tl.load(lse_part + parts, mask=part_ok, other=float("-inf"))
+    m = tl.maximum(tl.max(lse, axis=0), sink)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    o = tl.load(o_part + parts[:, None] * ROW_PITCH + cols[None, :], mask=part_ok[:, None] & col_ok[None, :],
+                other=0.0)
+    safe, lse = _merged_denominator(m_use, tl.sum(w, axis=0) + tl.exp2(sink - m_use))
+    return tl.sum(o * w[:, None], axis=0) / safe, lse
+
+
+@triton.jit
+def _merged_denominator(m_use, denom):
+    """(denominator safe to divide by, log2-sum-exp): 1 and -inf where it is 0 (nothing to attend, acc is 0)."""
+    safe = tl.where(denom > 0, denom, 1.0)
+    return safe, tl.where(denom > 0, m_use + tl.log2(safe), float("-inf"))

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_lib import LN2, LOG2E, finish_split, merge_splits
+from ..triton_lib import LN2, LOG2E, finish_split, merge_splits_at_once
 from .config import decode_config, decode_num_splits
 from .tile import _load_user_bias, _tile_update
 
@@ -95,31 +95,31 @@ def _flash_decode(Q, K, V, Mask, KvStart, Slopes, Opart, LsePart,
 def _decode_reduce(Opart, LsePart, Sinks, Out, Lse,
                    stride_ob, stride_oh, stride_om,
                    Hkv, group, Lq, D, n_splits,
-                   BLOCK_R: tl.constexpr, BLOCK_DC: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
                    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr):
-    """Merge the splits of BLOCK_R query rows of one KV head, one chunk of D per program."""
-    bk = tl.program_id(0)
-    pid_d = tl.program_id(2)
+    """Merge the splits of one query row (one chunk of D per program) by log-sum-exp."""
+    row_glob = tl.program_id(0)
+    pid_d = tl.program_id(1)
     n_rows = group * Lq
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = r < n_rows
+    bk = row_glob // n_rows
+    r = row_glob % n_rows
     b = bk // Hkv
     h = (bk % Hkv) * group + r // Lq
     t = r % Lq
-    sink = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    splits = tl.arange(0, BLOCK_S)
+    sink = float("-inf")
     if HAS_SINKS:
-        sink = tl.load(Sinks + h, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
+        sink = tl.load(Sinks + h).to(tl.float32) * LOG2E
     offs_d = pid_d * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < D
-    first = (bk * n_splits).to(tl.int64) * n_rows + r
-    out, lse = merge_splits(Opart, LsePart, first, n_rows, n_splits, offs_d, row_ok, d_ok, sink,
-                            BLOCK_R, BLOCK_DC, D)
-    o_ptrs = (Out + b.to(tl.int64) * stride_ob + h[:, None].to(tl.int64) * stride_oh
-              + t[:, None].to(tl.int64) * stride_om + offs_d[None, :])
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    parts = (bk * n_splits + splits).to(tl.int64) * n_rows + r
+    out, lse = merge_splits_at_once(Opart, LsePart, parts, splits < n_splits, offs_d, d_ok, sink, D)
+    o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + t.to(tl.int64) * stride_om
+              + offs_d)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
     if RETURN_LSE:
         if pid_d == 0:
-            tl.store(Lse + (b * (Hkv * group) + h).to(tl.int64) * Lq + t, lse * LN2, mask=row_ok)
+            tl.store(Lse + (b * (Hkv * group) + h).to(tl.int64) * Lq + t, lse * LN2)
 
 
 def launch_decode(q, k, v, out, lse, mask_x, m_strides, kv_start, alibi_slopes, sinks, window, qk_scale,
@@ -149,11 +149,11 @@ def launch_decode(q, k, v, out, lse, mask_x, m_strides, kv_start, alibi_slopes, 
         qk_scale, softcap_l2,
         BLOCK_R=max(16, triton.next_power_of_2(n_rows)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
-    block_r = 16
-    block_dc = min(block_d, 128)
-    _decode_reduce[(b * hkv, triton.cdiv(n_rows, block_r), triton.cdiv(d, block_dc))](
+    block_s = max(2, triton.next_power_of_2(n_splits))
+    block_dc = min(block_d, max(16, 8192 // block_s))
+    _decode_reduce[(b * hkv * n_rows, triton.cdiv(d, block_dc))](
         o_part, lse_part, sinks if sinks is not None else dummy, out, lse,
         out.stride(0), out.stride(1), out.stride(2),
         hkv, group, lq, d, n_splits,
-        BLOCK_R=block_r, BLOCK_DC=block_dc, HAS_SINKS=sinks is not None, RETURN_LSE=return_lse,
+        BLOCK_S=block_s, BLOCK_DC=block_dc, HAS_SINKS=sinks is not None, RETURN_LSE=return_lse,
         num_warps=4)
