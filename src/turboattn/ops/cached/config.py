@@ -8,7 +8,8 @@ the capacity rather than the current length).
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -41,12 +42,18 @@ class DecodePlan:
 
     def to_list(self) -> list[int]:
         """The plan as the op's int list (lookup as its index in LOOKUPS)."""
-        return [*astuple(self)[:5], LOOKUPS.index(self.lookup)]
+        return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.num_splits,
+                LOOKUPS.index(self.lookup)]
 
     @classmethod
     def from_list(cls, values) -> DecodePlan:
-        *ints, lookup = (int(x) for x in values)
-        return cls(*ints, LOOKUPS[lookup])
+        return _plan_from_tuple(tuple(int(x) for x in values))
+
+
+@lru_cache(maxsize=4096)
+def _plan_from_tuple(values: tuple[int, ...]) -> DecodePlan:
+    *ints, lookup = values
+    return DecodePlan(*ints, LOOKUPS[lookup])
 
 
 def _tile(head_dim: int) -> tuple[int, int, int]:
@@ -56,6 +63,7 @@ def _tile(head_dim: int) -> tuple[int, int, int]:
     return 64, 4, 3
 
 
+@lru_cache(maxsize=4096)  # a decode loop asks the same question every step: host time matters
 def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, batch_kv_heads: int,
                 query_rows: int, max_tokens: int, num_splits: int | None = None,
                 programs_per_sm: int | None = None) -> DecodePlan:

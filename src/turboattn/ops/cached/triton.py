@@ -263,11 +263,10 @@ def _merge_reduce_kernel(
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * LOG2E
     first = (bh * num_parts).to(tl.int64) * rows_total + row
-    col_ok = offs_h < HALF
-    y_lo, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, offs_h, row_ok, col_ok, sink,
-                             BLOCK_R, HALF, D)
-    y_hi, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, HALF + offs_h, row_ok, col_ok, sink,
-                             BLOCK_R, HALF, D)
+    offs_d = tl.arange(0, D)
+    y, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, offs_d, row_ok, offs_d < D, sink,
+                          BLOCK_R, D, D)
+    y_lo, y_hi = tl.split(tl.permute(tl.reshape(y, (BLOCK_R, 2, HALF)), (0, 2, 1)))
 
     # Rotate back: x = s * (H y) / sqrt(D), with H_D = [[H, H], [H, -H]] for H = H_{D/2}.
     x_lo = hadamard_any(y_lo + y_hi, had_ptr, HALF)
