@@ -137,7 +137,7 @@ def _cached_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_codes, k_scales, v_codes, v_scales, k_cb, v_cb,
     kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr,
     key_shift_ptr, key_gain_ptr, key_gain_inv_ptr,
-    q_scale, softcap, Tq, N, window, num_kv_heads, num_splits,
+    q_scale, softcap, Tq, N, window, num_kv_heads, num_splits, split_base, num_parts,
     D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr, HAS_FRESH: tl.constexpr,
@@ -147,7 +147,7 @@ def _cached_attention_kernel(
 ):
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = 2 if D == 512 else 1
-    split = tl.program_id(0)
+    split = tl.program_id(0) + split_base  # split_base > 0: only the fresh part (the cache splits ran elsewhere)
     bh = tl.program_id(1)
     b, kvh, rows_total, row, row_ok, t, g = _group_rows(bh, tl.program_id(2), num_kv_heads, Tq, G, BLOCK_M)
 
@@ -241,7 +241,7 @@ def _cached_attention_kernel(
 
     out_lo, lse = finish_split(acc_lo, m, l)
     out_hi, lse = finish_split(acc_hi, m, l)
-    part = (bh * tl.num_programs(0) + split).to(tl.int64) * rows_total + row
+    part = (bh * num_parts + split).to(tl.int64) * rows_total + row
     tl.store(lse_part + part, lse, mask=row_ok)
     o_ptr = o_part + part[:, None] * D + offs_h[None, :]
     tl.store(o_ptr, out_lo, mask=row_ok[:, None])
@@ -283,10 +283,12 @@ def _merge_reduce_kernel(
 def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
                             v: torch.Tensor | None = None, scale: float | None = None,
                             softcap: float | None = None, sinks: torch.Tensor | None = None,
-                            plan: DecodePlan | None = None) -> torch.Tensor:
+                            plan: DecodePlan | None = None, cache_splits=None) -> torch.Tensor:
     """Launch the split-K kernel and the merge.  Inputs are validated by attention.cached_attention.
 
     plan: the launch plan (config.plan_decode); None plans for a full cache (layout.capacity keys).
+    cache_splits: another kernel that fills the cache splits' partials instead of this one (the CUDA
+    fast path); called as cache_splits(o_part, lse_part, q_scale, num_parts) before the fresh part.
     """
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
@@ -299,6 +301,14 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
     # The softmax runs in base 2: fold log2(e) into q unless softcap needs the raw scores.
     q_scale = scale if softcap is not None else scale * LOG2E.value
     has_fresh = k is not None
+    rows = tq * group
+    parts = plan.num_splits + int(has_fresh)
+    o_part = torch.empty(b * hkv * parts * rows * d, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(b * hkv * parts * rows, dtype=torch.float32, device=dev)
+    split_base = 0
+    if cache_splits is not None:
+        cache_splits(o_part, lse_part, q_scale, parts)
+        split_base = plan.num_splits
     out_dtype = q.dtype  # q may be replaced by its rotated float16 copy below
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
@@ -321,31 +331,30 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
         v = v.contiguous()
     kf, vf = (k, v) if has_fresh else (q, q)  # unused without fresh tokens
 
-    rows = tq * group
     row_blocks = triton.cdiv(rows, plan.block_m)
-    parts = plan.num_splits + int(has_fresh)
-    o_part = torch.empty(b * hkv * parts * rows * d, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(b * hkv * parts * rows, dtype=torch.float32, device=dev)
     k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
     use_lut = plan.lookup == "lut"
     k_lut = lut4_asm() if use_lut and codec.k_bits == 4 else ""
     v_lut = lut4_asm() if use_lut and codec.v_bits == 4 else ""
     window = layout.sliding_window or 0
-    _cached_attention_kernel[(parts, b * hkv, row_blocks)](
-        q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
-        device_centroids(codec.k_bits, dev, torch.float16), device_centroids(codec.v_bits, dev, torch.float16),
-        kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
-        device_signs(d, dev), hadamard_tile(d // 2, dev),
-        *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
-        float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits,
-        D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
-        V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, RING=layout.is_ring, HAS_FRESH=has_fresh,
-        HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
-        K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
-        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    if parts > split_base:
+        _cached_attention_kernel[(parts - split_base, b * hkv, row_blocks)](
+            q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes,
+            layout.v_scales, device_centroids(codec.k_bits, dev, torch.float16),
+            device_centroids(codec.v_bits, dev, torch.float16),
+            kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
+            device_signs(d, dev), hadamard_tile(d // 2, dev),
+            *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
+            float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits, split_base,
+            parts,
+            D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
+            V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, RING=layout.is_ring, HAS_FRESH=has_fresh,
+            HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
+            K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
+            PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
     out = torch.empty(b, hq, tq, d, dtype=out_dtype, device=dev)
     block_r = 16
     _merge_reduce_kernel[(b * hkv, triton.cdiv(rows, block_r))](
