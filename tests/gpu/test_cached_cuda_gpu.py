@@ -27,10 +27,12 @@ CASES = [
     # B, Hkv, G, length, ring W, Tq, fresh, softcap, sinks, key transform, splits
     (4, 8, 4, 8192 + 37, None, 1, False, None, False, False, None),
     (2, 8, 4, 6000, None, 1, True, None, True, True, None),
-    (2, 4, 8, 3000, None, 2, True, 50.0, False, False, 3),
+    (2, 4, 8, 3000, None, 1, True, 50.0, False, False, 3),
+    (2, 4, 8, 3000, None, 2, True, None, False, False, None),   # 16 rows: the Triton kernel serves it
     (2, 4, 1, 4097, 1024, 1, False, None, True, False, None),
     (3, 2, 16, 2000, None, 1, True, None, False, True, 1),
-    (1, 8, 4, 100, None, 4, False, None, False, False, None),
+    (1, 8, 4, 100, None, 2, False, None, False, False, None),
+    (2, 8, 1, 5000, 2048, 8, True, None, False, True, 7),
     (2, 2, 2, 777, 256, 3, True, 30.0, True, False, 5),
 ]
 

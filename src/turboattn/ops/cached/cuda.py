@@ -2,7 +2,7 @@
 
 The kernel fills the cache splits' partials; the fresh tokens' part and the merge (sinks, rotation back)
 stay with the Triton kernels (triton.py), so the two paths share every piece but the hot loop.  Calls the
-kernel does not serve (other bit widths or head dims, more than 16 query rows per KV head, GPUs before
+kernel does not serve (other bit widths or head dims, more than 8 query rows per KV head, GPUs before
 sm_80) go to the Triton path.  The extension is built with nvcc on first use (torch.utils.cpp_extension).
 """
 
@@ -23,9 +23,9 @@ from .config import DecodePlan, plan_decode
 from .triton import cached_attention_triton
 
 CSRC = Path(__file__).with_name("csrc")
-MAX_ROWS = 16        # query rows (Tq x GQA group) per KV head: one m16 MMA tile
+MAX_ROWS = 8         # query rows (Tq x GQA group) per KV head: the N = 8 side of the MMA
 CHUNK_ALIGN = 64     # split boundaries, in keys (a multiple of the kernel's 16-key tile)
-MIN_BLOCKS = 3       # CTAs per SM the kernel's registers allow (2 or 3; BENCHMARKS.md)
+MIN_BLOCKS = 4       # CTAs per SM the kernel's registers allow (127 registers; BENCHMARKS.md)
 
 
 @lru_cache(maxsize=None)
