@@ -89,7 +89,7 @@ def test_info_prints_plain_text_without_rich(monkeypatch, capsys):
     assert "k_bits" in out and "136 B  3.76x" in out  # k4v4 at D=128
 
 
-BENCH_SUITES = ("decode", "quantize", "prefill", "decode-sweep", "key-transform", "sanitize-cases")
+BENCH_SUITES = ("decode", "quantize", "prefill", "decode-sweep", "key-transform", "sanitize-cases", "generate")
 
 
 def test_bench_lists_its_suites(capsys):

@@ -17,6 +17,7 @@ SUITES = {
     "decode-sweep": ("decode_sweep", "compressed-cache decode under explicit launch plans (tiles, splits, lookup)"),
     "key-transform": ("key_transform", "a decode step's cost with and without the key transform"),
     "sanitize-cases": ("sanitize", "small decode cases to run under compute-sanitizer"),
+    "generate": ("generate", "end-to-end model.generate ms per token, turboattn vs transformers bf16"),
 }
 
 
