@@ -8,7 +8,6 @@ sm_80) go to the Triton path.  The extension is built with nvcc on first use (to
 
 from __future__ import annotations
 
-import math
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -76,6 +75,4 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
                       o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0,
                       plan.num_splits, num_parts, layout.is_ring, k is not None, CHUNK_ALIGN, MIN_BLOCKS)
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
     return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan, cache_splits=cache_splits)
