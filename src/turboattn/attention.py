@@ -102,8 +102,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         plan = replace(plan, num_splits=num_splits)
     layout = cache.layout
     return run(
-        "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
-        layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
+        "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
+        layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
         cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan.to_list(), impl)
 
 

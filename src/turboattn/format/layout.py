@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec import KVCodec, Packed
+from .key_transform import from_stored_keys
+
 
 @dataclass(frozen=True, eq=False)  # tensors have no single truth value
 class CacheLayout:
@@ -73,11 +76,10 @@ def slot_positions(layout: CacheLayout) -> torch.Tensor:
     return torch.where(valid, pos, torch.full_like(pos, -1))
 
 
-def dequantize_slots(layout: CacheLayout, codec, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_slots(layout: CacheLayout, codec: KVCodec,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Every slot as K, V [B, Hkv, N, D] in the model's domain (key transform undone); pair with
     slot_positions().  `codec` is the KVCodec the slots were written with."""
-    from .codec import Packed
-    from .key_transform import from_stored_keys
     k = codec.dequantize(Packed(layout.k_codes, layout.k_scales), "k", dtype)
     v = codec.dequantize(Packed(layout.v_codes, layout.v_scales), "v", dtype)
     if layout.has_key_transform:

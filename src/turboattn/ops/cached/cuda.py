@@ -47,9 +47,11 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def supports(q: torch.Tensor, codec: KVCodec) -> bool:
+def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels)."""
-    return q.is_cuda and codec.head_dim == 128 and codec.k_bits == 4 and codec.v_bits == 4 and _capable(q.device)
+    rows = q.shape[2] * (q.shape[1] // num_kv_heads)
+    return (q.is_cuda and codec.head_dim == 128 and codec.k_bits == 4 and codec.v_bits == 4 and rows <= MAX_ROWS
+            and _capable(q.device))
 
 
 def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
@@ -59,7 +61,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     """cached_attention_triton's contract; the cache splits run in the CUDA kernel when it serves the call."""
     b, hq, tq, d = q.shape
     rows = tq * (hq // layout.num_kv_heads)
-    ext = _extension() if supports(q, codec) and rows <= MAX_ROWS else None
+    ext = _extension() if supports(q, codec, layout.num_kv_heads) else None
     if ext is None:
         return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
     if plan is None:
