@@ -1,6 +1,8 @@
-"""QuantizedKVCache storage: contiguous and ring layouts, ragged appends, padding, sizes."""
+"""QuantizedKVCache storage: contiguous and ring layouts, ragged appends, padding, sizes; crop, batch edits, reset."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -132,3 +134,159 @@ def test_device_names_are_normalized(gen):
 def test_repr_names_the_format():
     cache = ta.QuantizedKVCache(ta.KVCodec(128, 5, 4), batch_size=2, num_kv_heads=4, sliding_window=16)
     assert "ring W=16" in repr(cache) and "k5v4" in repr(cache) and "D=128" in repr(cache)
+
+
+# -- crop, batch selection, reset --------------------------------------------------------------
+
+STATE = ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv")
+
+
+def filled(codec, k, v, lengths, window=None, capacity=None, shift=None, gain=None, pad=None, chunks=(None,)):
+    """A cache given sequence b's first lengths[b] tokens of k, v [B, Hkv, T, D], in `chunks` appends."""
+    b, hkv, t, _ = k.shape
+    cache = ta.QuantizedKVCache(codec, batch_size=b, num_kv_heads=hkv, capacity=capacity, sliding_window=window)
+    if shift is not None:
+        cache.set_key_transform(shift, gain)
+    if pad is not None:
+        cache.set_left_padding(pad)
+    bounds = [0, *(c for c in chunks if c is not None), t]
+    for lo, hi in zip(bounds, bounds[1:]):
+        n = [min(max(x - lo, 0), hi - lo) for x in lengths]
+        if max(n) > 0:
+            cache.append(k[:, :, lo:hi], v[:, :, lo:hi], new_lengths=n)
+    return cache
+
+
+def assert_same_state(got, want):
+    for name in STATE:
+        x, y = getattr(got, name), getattr(want, name)
+        assert (x is None and y is None) or torch.equal(x, y), name
+    assert (got.batch_size, got.max_seen, got.has_key_shift) == (want.batch_size, want.max_seen, want.has_key_shift)
+    assert got.lengths.tolist() == want.lengths.tolist()
+
+
+def transform(gen, b, hkv, d):
+    shift = torch.randn(b, hkv, d, generator=gen)
+    shift[-1] = 0  # the last sequence unshifted: selecting it alone must turn has_key_shift off
+    return shift, torch.rand(b, hkv, d, generator=gen) + 0.5
+
+
+def attend_both(gen, got, want, tq=2, backend="auto", without_fresh=True):
+    """cached_attention over both caches, with fresh k, v and (queries ending at the last cached token)
+    without; must be bit-identical."""
+    b, hkv, d = got.batch_size, got.num_kv_heads, got.codec.head_dim
+    q = torch.randn(b, 2 * hkv, tq, d, generator=gen)
+    k, v = kv(gen, b, hkv, tq, d)
+    for fresh in ((k, v), (None, None)) if without_fresh else ((k, v),):
+        out = ta.cached_attention(q, got, *fresh, backend=backend)
+        assert torch.equal(out, ta.cached_attention(q, want, *fresh, backend=backend))
+
+
+@pytest.mark.parametrize("window", [None, 16], ids=["contiguous", "ring-not-wrapped"])
+@pytest.mark.parametrize("max_length", [-3, 7, 0, 40])
+def test_crop_equals_a_cache_given_only_the_kept_tokens(window, max_length, gen):
+    """Negative: drop that many from each sequence; else keep the first max_length (40: more than held)."""
+    codec = ta.KVCodec(64, 5, 3)
+    b, hkv, lengths = 3, 2, [9, 5, 12]
+    k, v = kv(gen, b, hkv, 12, 64)
+    shift, gain = transform(gen, b, hkv, 64)
+    opts = dict(window=window, capacity=None if window else 20, shift=shift, gain=gain)
+    cache = filled(codec, k, v, lengths, chunks=(4, 7), **opts)
+    cache.crop(max_length)
+    kept = [n + max_length if max_length < 0 else min(n, max_length) for n in lengths]
+    want = filled(codec, k, v, kept, **opts)
+    assert_same_state(cache, want)
+    attend_both(gen, cache, want)
+    k2, v2 = kv(gen, b, hkv, 3, 64)  # it goes on as the reference does
+    cache.append(k2, v2)
+    want.append(k2, v2)
+    assert_same_state(cache, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_wrapped_ring_crops_its_spare_slot_only(backend, gen):
+    """A ring of W slots at seen > W holds positions seen-W .. seen-1; the next query's window needs only
+    the W - 1 before it, so one token can go.  The slot then maps to the overwritten position seen-1-W:
+    it is marked as padding, and attention equals a ring that was only ever given the kept tokens."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
+    codec, w = ta.KVCodec(64, 4, 4), 8
+    k, v = kv(gen, 2, 1, 13, 64)
+    cache = filled(codec, k, v, [13, 5], window=w, chunks=(6,))
+    before = {name: getattr(cache, name).clone() for name in STATE[:6]}
+    with pytest.raises(ValueError, match="sliding_window=8 slots no longer holds positions 4..4"):
+        cache.crop(-2)
+    assert all(torch.equal(getattr(cache, name), t) for name, t in before.items())  # untouched
+    cache.crop(-1)
+    want = filled(codec, k, v, [12, 4], window=w)
+    pos, want_pos = cache.slot_positions(), want.slot_positions()
+    assert want_pos[0, 12 % w] == 12 - w and pos[0, 12 % w] == -1   # the overwritten position: gone
+    want_pos[0, 12 % w] = -1
+    assert torch.equal(pos, want_pos)
+    valid = (pos >= 0)[:, None, :, None]
+    for name in STATE[:4]:
+        assert torch.equal(getattr(cache, name) * valid, getattr(want, name) * valid), name
+    # Queries from the new length on (fresh k, v); the kept last token's own query (positions seen - 1
+    # and before) ran before the crop and needed the overwritten position, so it is not asked again.
+    attend_both(gen, cache, want, tq=1, backend=backend, without_fresh=False)
+    attend_both(gen, cache, want, tq=3, backend=backend, without_fresh=False)
+    k2, v2 = kv(gen, 2, 1, 1, 64)
+    cache.append(k2, v2)
+    want.append(k2, v2)
+    attend_both(gen, cache, want, tq=1, backend=backend)
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["contiguous", "ring"])
+@pytest.mark.parametrize("op,arg,idx", [
+    ("batch_select_indices", [2, 0], [2, 0]),
+    ("batch_select_indices", torch.tensor([1, 1, 0, 2]), [1, 1, 0, 2]),
+    ("batch_select_indices", torch.tensor([2], dtype=torch.int32), [2]),
+    ("reorder_cache", torch.tensor([2, 0, 0]), [2, 0, 0]),
+    ("batch_repeat_interleave", 2, [0, 0, 1, 1, 2, 2]),
+])
+def test_batch_edits_equal_the_same_edit_of_the_inputs(window, op, arg, idx, gen):
+    """Codes, scales, lengths, left padding and the key transform all follow the selected sequences."""
+    codec = ta.KVCodec(64, 4, 3)
+    b, hkv, lengths, pad = 3, 2, [5, 9, 2], [1, 0, 0]
+    k, v = kv(gen, b, hkv, 9, 64)
+    shift, gain = transform(gen, b, hkv, 64)
+    opts = dict(window=window, capacity=None if window else 12)
+    cache = filled(codec, k, v, lengths, shift=shift, gain=gain, pad=pad, chunks=(3,), **opts)
+    getattr(cache, op)(arg)
+    want = filled(codec, k[idx], v[idx], [lengths[i] for i in idx], shift=shift[idx], gain=gain[idx],
+                  pad=[pad[i] for i in idx], **opts)
+    assert_same_state(cache, want)
+    assert cache.has_key_shift == (idx != [2])
+    attend_both(gen, cache, want)
+
+
+def test_reset_gives_a_fresh_cache(gen):
+    codec = ta.KVCodec(64, 3, 2)
+    k, v = kv(gen, 2, 2, 6, 64)
+    shift, gain = transform(gen, 2, 2, 64)
+    cache = filled(codec, k, v, [6, 4], capacity=8, shift=shift, gain=gain, pad=[2, 0])
+    cache.reset()
+    fresh = ta.QuantizedKVCache(codec, batch_size=2, num_kv_heads=2, capacity=8)
+    assert_same_state(cache, fresh)
+    k2, v2 = kv(gen, 2, 2, 3, 64)
+    cache.append(k2, v2)
+    fresh.append(k2, v2)
+    assert_same_state(cache, fresh)
+
+
+def test_edit_arguments_are_checked(gen):
+    cache = filled(ta.KVCodec(64), *kv(gen, 2, 1, 4, 64), [4, 2], capacity=8)
+    for bad, match in ((-3, "holds only 2"), (2.0, "must be an int"), (True, "must be an int")):
+        with pytest.raises(ValueError, match=match):
+            cache.crop(bad)
+    for bad, match in (([0, 2], r"in \[0, 2\)"), ([-1], r"in \[0, 2\)"), ([], "at least one"),
+                       (torch.tensor([0.0, 1.0]), "integers"), (torch.tensor([True, False]), "integers"),
+                       (torch.tensor([[0, 1]]), "1-D"), ([0, 1.0], "ints")):
+        with pytest.raises(ValueError, match=match):
+            cache.batch_select_indices(bad)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        cache.reorder_cache(torch.tensor([0, 1, 1]))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="repeats"):
+            cache.batch_repeat_interleave(bad)
+    assert cache.lengths.tolist() == [4, 2] and cache.batch_size == 2  # nothing changed

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_models import (fake_quant_cache, key_transform, random_ids, teacher_forced_logits,  # noqa: E402
                        tiny_gemma2, tiny_gemma3, tiny_llama)
+from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 from turboattn import KVCodec, flash_attention  # noqa: E402
 from turboattn.hf import TurboQuantCache, turboattn_attention  # noqa: E402
 from turboattn.format.key_transform import MIN_FIT_TOKENS  # noqa: E402
@@ -201,3 +202,191 @@ def test_transformers_caches_still_work_with_turboattn_attention():
     want = ref_model.generate(ids, past_key_values=transformers.DynamicCache(config=ref_model.config), **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
+
+
+# -- generate strategies that edit the cache: beam search (reorder), assisted decoding (crop) ----------
+
+NEW_TOKENS = 16
+
+
+class Record(LogitsProcessor):
+    """Keeps what each step's choice saw: the running sequences and their (processed) next-token scores."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append((input_ids.clone(), scores.clone()))
+        return scores
+
+
+def generate(model, ids, cache, **kw):
+    """Greedy strategies on one prompt; min_new_tokens keeps EOS out, so every run makes NEW_TOKENS choices."""
+    record = Record()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True, logits_processor=LogitsProcessorList([record]), **kw)
+    out.steps = record.steps
+    return out
+
+
+def k8v8_logit_error(model, sequences, prompt):
+    """Largest logit error of a k8v8 cache along `sequences` (teacher-forced against the exact model), reading
+    the continuation one token at a time (all of it compressed) and as one chunk (all of it fresh); a
+    verification chunk of assisted decoding reads some of each."""
+    exact = model(input_ids=sequences).logits
+    steps = (1, sequences.shape[1] - prompt)
+    return max(float((teacher_forced_logits(model, sequences, TurboQuantCache(model.config, 8, 8), prompt, s)
+                      - exact)[:, prompt - 1:-1].abs().max()) for s in steps)
+
+
+def assert_matches_fake_quant(model_factory, ids, got, cache, **kw):
+    """The eager model over the fake-quant cache (transformers' own DynamicLayer reorder / crop) must make
+    the same choices from the same scores, to float32 rounding: the compressed cache was edited exactly."""
+    ref_model = model_factory("eager")
+    want = generate(ref_model, ids, fake_quant_cache(ref_model, (8, 8), fitted=cache), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
+
+
+def beam_margins(steps, num_beams):
+    """Per step of a beam search over one prompt, how far the choice was from flipping: the last kept
+    candidate's cumulative log-prob minus the first dropped one's; at the last step, the best minus the
+    second (only the best is returned).  Cumulative scores are rebuilt from each row's parent row."""
+    margins, acc, prev = [], None, None
+    for t, (ids, logp) in enumerate(steps):
+        if t == 0:  # generate starts with one live beam (row 0): the others at -1e9
+            base = torch.tensor([0.0] + [-1e9] * (num_beams - 1), dtype=torch.float64)
+        else:  # the prompt rows of step 0 are all alike: the first one is the live parent
+            parent = {tuple(row): i for i, row in reversed(list(enumerate(prev.tolist())))}
+            base = torch.stack([acc[parent[tuple(row[:-1].tolist())], row[-1]] for row in ids])
+        acc = base[:, None] + logp.double()
+        top = acc.flatten().topk(num_beams + 1).values
+        margins.append(float(top[0] - top[1] if t == len(steps) - 1 else top[num_beams - 1] - top[num_beams]))
+        prev = ids
+    return margins
+
+
+@pytest.mark.parametrize("num_beams", [2, 3])
+@torch.no_grad()
+def test_beam_search_matches_exact_cache(num_beams):
+    """reorder_cache every step.  The best beam equals DynamicCache's, except after a near-tie: the first
+    choice where the two searches part must have had an exact margin below what k8v8 can move it.  A
+    candidate's cumulative score after t + 1 steps sums t + 1 log-probs, each within 2E of exact (E: the
+    logit error, measured along the returned beams), so a margin flips only below 2 (t + 1) 2E."""
+    model = tiny_llama()
+    ids = random_ids(20, seed=4)
+    kw = dict(num_beams=num_beams, num_return_sequences=num_beams)
+    exact = generate(model, ids, transformers.DynamicCache(config=model.config), **kw)
+    cache = TurboQuantCache(model.config, 8, 8)
+    got = generate(model, ids, cache, **kw)
+    assert cache.layers[0].cache.batch_size == num_beams and key_transform(cache.layers[0]) is not None
+    assert_matches_fake_quant(tiny_llama, ids, got, cache, **kw)
+    if not torch.equal(got.sequences[0], exact.sequences[0]):
+        parted = next((t - 1 for t, ((a, _), (b, _)) in enumerate(zip(got.steps, exact.steps))
+                       if sorted(a.tolist()) != sorted(b.tolist())), len(exact.steps) - 1)
+        err = k8v8_logit_error(model, exact.sequences, ids.shape[1])
+        assert beam_margins(exact.steps, num_beams)[parted] < 4 * (parted + 1) * err, parted
+
+
+def assert_same_tokens_but_near_ties(model, prompt, got, exact):
+    """Greedy tokens equal the exact cache's up to the first difference, which must be a near-tie: there both
+    runs saw the same tokens, so the choice flipped only if the exact top-2 gap is below twice the logit error."""
+    p = prompt.shape[1]
+    differ = (got.sequences[0, p:] != exact.sequences[0, p:]).nonzero()
+    if len(differ):
+        i = int(differ[0])
+        top2 = exact.scores[i][0].topk(2).values
+        assert float(top2[0] - top2[1]) < 2 * k8v8_logit_error(model, exact.sequences, p), i
+
+
+def assistant():
+    """A second tiny model: the first with perturbed weights, so that it proposes 4 tokens a round and the
+    main model rejects some of them (crops of 1 to 4 tokens)."""
+    model = tiny_llama("eager")
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
+    model.generation_config.update(num_assistant_tokens=4, num_assistant_tokens_schedule="constant",
+                                   assistant_confidence_threshold=0.0)
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["assistant", "prompt_lookup"])
+@torch.no_grad()
+def test_assisted_decoding_matches_exact_cache(strategy, monkeypatch):
+    """Each round verifies a chunk of candidates against the compressed cache, then crops the rejected ones."""
+    model = tiny_llama()
+    ids = random_ids(20, seed=4)
+    kw = dict(assistant_model=assistant()) if strategy == "assistant" else dict(prompt_lookup_num_tokens=3)
+    crops = []
+    crop = TurboQuantCache.crop
+    monkeypatch.setattr(TurboQuantCache, "crop", lambda self, n: (crops.append(n), crop(self, n))[1])
+    exact = generate(model, ids, transformers.DynamicCache(config=model.config))
+    cache = TurboQuantCache(model.config, 8, 8)
+    got = generate(model, ids, cache, **kw)
+    assert min(crops) <= -2 and len(crops) >= 4  # several rounds dropped rejected candidates
+    assert_matches_fake_quant(tiny_llama, ids, got, cache, **kw)
+    assert_same_tokens_but_near_ties(model, ids, got, exact)
+
+
+@torch.no_grad()
+def test_batch_repeat_and_select_follow_the_chosen_rows():
+    """Contrastive search's cache edits (transformers 5 moved the strategy itself to a hub repo that needs
+    trust_remote_code): repeat the prompt's cache for 3 candidates, step each, keep one; the chosen row
+    must continue exactly as a single sequence fed the same tokens."""
+    model = tiny_llama()
+    ids = random_ids(20, seed=4)
+    cache = TurboQuantCache(model.config, 4, 4)
+    model(input_ids=ids, past_key_values=cache)
+    cache.batch_repeat_interleave(3)
+    candidates = torch.tensor([[5], [17], [40]])
+    model(input_ids=candidates, past_key_values=cache)
+    cache.batch_select_indices(torch.tensor([1]))
+    got = model(input_ids=torch.tensor([[33]]), past_key_values=cache).logits
+    one = TurboQuantCache(model.config, 4, 4)
+    want = teacher_forced_logits(model, torch.cat([ids, torch.tensor([[17, 33]])], 1), one, 20)[:, -1:]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert cache.layers[0].cache.batch_size == 1 and cache.get_seq_length() == 22
+
+
+@torch.no_grad()
+def test_reset_cache_generates_like_a_fresh_one():
+    """Reused after reset(): the same batch size, then another one (an empty cache takes the new shape)."""
+    model = tiny_llama()
+    cache = TurboQuantCache(model.config, 4, 4)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    model.generate(random_ids(300), attention_mask=torch.ones(1, 300, dtype=torch.long), past_key_values=cache, **kw)
+    for batch, seed in ((1, 5), (2, 6)):
+        ids = random_ids(24, batch=batch, seed=seed)
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids),
+                              past_key_values=TurboQuantCache(model.config, 4, 4), **kw)
+        assert torch.equal(got.sequences, want.sequences)
+        torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_crop_on_sliding_layers():
+    """Gemma-3's ring layers (W = 8) crop like the full layer until they wrap; after that only one token can
+    go (the ring overwrote the rest), and more raises instead of attending to the wrong keys."""
+    model = tiny_gemma3()
+    ids = random_ids(14)
+    cache = TurboQuantCache(model.config, 4, 4)
+    assert not cache.is_croppable
+    model(input_ids=ids[:, :7], past_key_values=cache)
+    cache.crop(-3)
+    cache.crop(0)  # transformers 5: nothing to drop
+    assert [layer.cache.max_seen for layer in cache.layers] == [4, 4, 4]
+    got = teacher_forced_logits(model, ids[:, 4:], cache, 1)  # one token a step from position 4 on
+    want = teacher_forced_logits(model, ids, TurboQuantCache(model.config, 4, 4), 4)[:, 4:]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        cache.crop(-2)
+    assert [layer.cache.max_seen for layer in cache.layers] == [14, 14, 14]  # all layers or none
+    cache.crop(-1)  # the spare slot
+    got = model(input_ids=ids[:, 13:], past_key_values=cache).logits
+    torch.testing.assert_close(got, want[:, -1:], atol=ATOL, rtol=0)

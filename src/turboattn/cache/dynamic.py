@@ -13,6 +13,7 @@ set while the cache is empty; keys are then stored as (k - shift) * gain, and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -96,7 +97,12 @@ class QuantizedKVCache:
                    if t is not None)
 
     def reset(self) -> None:
-        """Empty the cache for new sequences (the key transform goes too: it was fitted to the old ones)."""
+        """Empty the cache for new sequences (the key transform goes too: it was fitted to the old ones).
+
+        Codes and scales are zeroed as well, so a reset cache equals a fresh one of its capacity.
+        """
+        for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales):
+            t.zero_()
         self.seen.zero_()
         self.starts.zero_()
         self._seen_host = [0] * self.batch_size
@@ -157,6 +163,92 @@ class QuantizedKVCache:
             new[:, :, :self.capacity] = old
             setattr(self, name, new)
         self.capacity = capacity
+
+    # -- edits: speculative decoding (crop), beam and contrastive search (batch) ---------
+    def crop(self, max_length: int) -> None:
+        """Drop the newest tokens: keep the first `max_length` positions of each sequence, or, with a
+        negative value, drop that many tokens from each (transformers' convention).
+
+        Dropped slots are zeroed, so a cropped contiguous cache (or ring that has not wrapped) equals
+        one only ever given the kept tokens.  A wrapped ring (seen > W) has overwritten its oldest
+        positions with the ones being dropped: it can drop 1 token (its spare slot: the next query's
+        window needs the W - 1 tokens before it) and raises ValueError for more.  The key transform
+        stays: it was fitted to the prompt.
+        """
+        old, new = self._seen_host, self.cropped_lengths(max_length)
+        new_dev = torch.tensor(new, dtype=torch.int32, device=self.device)
+        # Every slot's position, padding included (starts=0): the slots at or past the new length go.
+        held = slot_positions(replace(self.layout, starts=torch.zeros_like(self.starts)))
+        drop = (held >= new_dev[:, None].to(torch.int64))[:, None, :, None]
+        for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales):
+            t.masked_fill_(drop, 0)
+        if self.is_ring:
+            # A wrapped ring that dropped a token now maps that slot to position new - W, which it no
+            # longer holds (overwritten): mark it as padding.  No query from `new` on can see it anyway.
+            floor = [s_new - self.sliding_window + 1 if s > self.sliding_window and s_new < s else 0
+                     for s, s_new in zip(old, new)]
+            self.starts.clamp_(min=torch.tensor(floor, dtype=torch.int32, device=self.device))
+        self.seen.copy_(new_dev)
+        self._seen_host = new
+
+    def cropped_lengths(self, max_length: int) -> list[int]:
+        """The lengths crop(max_length) would leave per sequence, or its ValueError (nothing changes)."""
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise ValueError(f"max_length must be an int, got {max_length!r}")
+        old = self._seen_host
+        new = [min(s, max_length) if max_length >= 0 else s + max_length for s in old]
+        if min(new) < 0:
+            raise ValueError(f"crop({max_length}) drops {-max_length} tokens but a sequence holds only {min(old)}")
+        w = self.sliding_window
+        for b, (s, s_new) in enumerate(zip(old, new)):
+            if self.is_ring and s > w and s - s_new > 1:
+                raise ValueError(f"cannot crop sequence {b} from {s} to {s_new} tokens: its ring of "
+                                 f"sliding_window={w} slots no longer holds positions {max(0, s_new - w + 1)}.."
+                                 f"{s - w - 1}, which the window would need again (a wrapped ring can drop 1 token)")
+        return new
+
+    def batch_select_indices(self, indices: Sequence[int] | torch.Tensor) -> None:
+        """Keep the sequences `indices` (1-D ints in [0, B), repeats allowed), in that order; B becomes len(indices)."""
+        idx = self._batch_indices(indices, "indices")
+        idx_dev = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts",
+                     "key_shift", "key_gain", "key_gain_inv"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, idx_dev))
+        self._seen_host = [self._seen_host[i] for i in idx]
+        self.batch_size = len(idx)
+        # The host flag may turn off when no shifted sequence is left (indices were read on the host anyway).
+        self._key_shifted = self._key_shifted and bool(self.key_shift.any())
+
+    def reorder_cache(self, beam_idx: Sequence[int] | torch.Tensor) -> None:
+        """Beam search: sequence b becomes the old sequence beam_idx[b] (B entries, repeats allowed)."""
+        n = len(beam_idx) if not isinstance(beam_idx, torch.Tensor) else beam_idx.numel()
+        if n != self.batch_size:
+            raise ValueError(f"beam_idx must hold batch_size={self.batch_size} indices, got {n}")
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each sequence `repeats` times in place (b -> rows b*repeats .. b*repeats + repeats - 1)."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self.batch_select_indices([b for b in range(self.batch_size) for _ in range(repeats)])
+
+    def _batch_indices(self, indices, name: str) -> list[int]:
+        """indices as a host list of ints in [0, B), or ValueError."""
+        if isinstance(indices, torch.Tensor):
+            if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+                raise ValueError(f"{name} must hold integers, got dtype {indices.dtype}")
+            if indices.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
+            idx = indices.tolist()
+        else:
+            idx = list(indices)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in idx):
+                raise ValueError(f"{name} must hold ints, got {indices!r}")
+        if not idx or min(idx) < 0 or max(idx) >= self.batch_size:
+            raise ValueError(f"{name} must hold at least one index in [0, {self.batch_size}), got {idx}")
+        return idx
 
     # -- writes --------------------------------------------------------------
     def check_kv(self, k: torch.Tensor, v: torch.Tensor, name: str = "k/v") -> None:

@@ -68,7 +68,6 @@ class TurboQuantLayer(CacheLayerMixin):
     """One attention layer's compressed K/V (a transformers cache layer)."""
 
     is_compileable = False
-    is_croppable = False
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  sliding_window: int | None = None, quantize_current: bool = False,
@@ -98,8 +97,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized or (self.cache.max_seen == 0 and not self._fits(key_states)):
+            self.lazy_initialization(key_states, value_states)  # an empty (reset) cache takes any batch shape
         if getattr(_handoff, "layer", None) is not None:
             _handoff.layer = None
             raise RuntimeError("TurboQuantCache was updated twice without attending: load the model with "
@@ -121,8 +120,33 @@ class TurboQuantLayer(CacheLayerMixin):
             self.cache.reset()
         _handoff.layer = None
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether crop() can always roll back (transformers' meaning): not a ring, which overwrites."""
+        return not self.is_sliding
+
+    def crop(self, max_length: int) -> None:
+        """Drop -max_length tokens when negative, as transformers 5 calls it (0: none); keep the first
+        max_length when positive (the older absolute form).  QuantizedKVCache.crop says what a ring allows."""
+        if self.cache is not None and max_length != 0:
+            self.cache.crop(max_length)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("TurboQuantCache does not support beam search yet")
+        if self.cache is not None:
+            self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.cache is not None:
+            self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache.batch_select_indices(indices)
+
+    def _fits(self, key_states: torch.Tensor) -> bool:
+        c = self.cache
+        b, hkv, _, d = key_states.shape
+        return (b, hkv, d, key_states.device) == (c.batch_size, c.num_kv_heads, c.codec.head_dim, c.device)
 
     @property
     def nbytes(self) -> int:
@@ -236,6 +260,13 @@ class TurboQuantCache(Cache):
                   for _, window in _layer_types(config)]
         super().__init__(layers=layers)
         self.k_bits, self.v_bits, self.scale_rule = k_bits, v_bits, scale_rule
+
+    def crop(self, max_length: int) -> None:
+        """TurboQuantLayer.crop on every layer, or on none: a ring that cannot drop as much raises first."""
+        for layer in self.layers:
+            if layer.cache is not None and max_length != 0:
+                layer.cache.cropped_lengths(max_length)
+        super().crop(max_length)
 
     @property
     def nbytes(self) -> int:
