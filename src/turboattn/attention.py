@@ -97,7 +97,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     impl = choose("cached_attention", backend, q.device)
     if plan is None:
         plan = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads,
-                           tq * (hq // cache.num_kv_heads), min(cache.max_seen, cache.capacity), num_splits)
+                           tq * (hq // cache.num_kv_heads), min(cache.max_seen, cache.capacity), num_splits,
+                           kernel=impl)
     elif num_splits is not None:
         plan = replace(plan, num_splits=num_splits)
     layout = cache.layout

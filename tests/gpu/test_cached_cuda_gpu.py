@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (ops/cached/cuda.py, 4-bit K/V at head_dim 128) against the float64 reference (pytest -m gpu).
+"""The CUDA decode kernel (ops/cached/cuda.py, 4-bit K/V at head_dim 64/128/256) against the float64 reference (pytest -m gpu).
 
 backend="auto" picks it on CUDA tensors; backend="triton" forces the portable kernel, which serves as a
 second reference.  Same tolerance as the Triton kernel (test_kernels_gpu.py): fp16 operands and bf16 output.
@@ -10,6 +10,7 @@ import torch
 import turboattn as ta
 from turboattn.format.key_transform import fit_key_transform
 from turboattn.ops import backend
+from turboattn.ops.cached import cuda
 from turboattn.ops.cached.cuda import _extension
 from turboattn.ops.cached.naive import cached_attention_naive
 
@@ -42,29 +43,43 @@ def test_the_extension_builds():
     assert backend.choose("cached_attention", "auto", torch.device("cuda")) == "cuda"
 
 
+# Other head dims: the kernel's per-dim code paths (fragment words, output tiles, q fragments in shared memory).
+HEAD_DIM_CASES = [(d, CASES[i]) for d in (64, 256) for i in (0, 1, 2, 4, 7, 8)]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_cuda_decode_matches_reference(case):
+    _check_against_reference(case, 128)
+
+
+@pytest.mark.parametrize("d,case", HEAD_DIM_CASES, ids=[f"D{d}-{c}" for d, c in HEAD_DIM_CASES])
+def test_cuda_decode_other_head_dims(d, case):
+    _check_against_reference(case, d)
+
+
+def _check_against_reference(case, d):
     b, hkv, g, length, window, tq, fresh, softcap, with_sinks, fit, splits = case
-    torch.manual_seed(hash(case) % 2**31)
-    codec = ta.KVCodec(128, 4, 4)
+    torch.manual_seed(hash((case, d)) % 2**31)
+    codec = ta.KVCodec(d, 4, 4)
     cache = ta.QuantizedKVCache(codec, b, hkv, capacity=None if window else length + tq, sliding_window=window,
                                 device="cuda")
-    first = torch.randn(b, hkv, length // 3, 128, device="cuda", dtype=torch.bfloat16) + 0.5
+    first = torch.randn(b, hkv, length // 3, d, device="cuda", dtype=torch.bfloat16) + 0.5
     if fit:
-        qf = torch.randn(b, hkv * g, length // 3, 128, device="cuda", dtype=torch.bfloat16)
+        qf = torch.randn(b, hkv * g, length // 3, d, device="cuda", dtype=torch.bfloat16)
         cache.set_key_transform(*fit_key_transform(qf, first, center=softcap is None and not with_sinks))
     cache.append(first, torch.randn_like(first))
-    rest = torch.randn(b, hkv, length - length // 3, 128, device="cuda", dtype=torch.bfloat16) + 0.5
+    rest = torch.randn(b, hkv, length - length // 3, d, device="cuda", dtype=torch.bfloat16) + 0.5
     cache.append(rest, torch.randn_like(rest))
     cache.set_left_padding(torch.arange(b) * 5)
-    q = torch.randn(b, hkv * g, tq, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, hkv * g, tq, d, device="cuda", dtype=torch.bfloat16)
     kf = vf = None
     if fresh:
-        kf = torch.randn(b, hkv, tq, 128, device="cuda", dtype=torch.bfloat16)
+        kf = torch.randn(b, hkv, tq, d, device="cuda", dtype=torch.bfloat16)
         vf = torch.randn_like(kf)
     sinks = torch.randn(hkv * g, device="cuda") if with_sinks else None
     junk = torch.full((64 << 20,), float("nan"), device="cuda")  # poison what the outputs will reuse
     del junk
+    assert cuda.supports(q, codec, hkv) == (tq * g <= 8)  # the cases are meant for the CUDA kernel
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks, num_splits=splits)
     assert not out.isnan().any()
     ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sinks,

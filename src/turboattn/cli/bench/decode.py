@@ -18,7 +18,7 @@ from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, r
 
 # B, Hq, Hkv, D, L — the shapes of the issue.
 SHAPES = [(1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768), (32, 32, 8, 128, 8192),
-          (8, 16, 8, 256, 8192), (1, 16, 2, 512, 32768)]
+          (8, 16, 8, 256, 8192), (8, 9, 3, 64, 16384), (1, 16, 2, 512, 32768)]
 BITS = [(4, 4), (8, 8)]
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)  # context lengths for the plot, at B=8 Hq=32 Hkv=8 D=128
 

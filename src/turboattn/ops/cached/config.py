@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from ..launch import num_splits_for
+from ..launch import num_splits_for, sm_count
 
 LOOKUPS = ("gather", "lut")
 
@@ -21,6 +21,22 @@ LOOKUPS = ("gather", "lut")
 # splits measured faster at B=8 (402 -> 334 us at 8 per SM), until splits get too short (B=1).
 PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 1024
+
+# The CUDA kernel (cuda.py): 4-bit K and V at these head dims, at most 8 query rows per KV head (the MMA's
+# N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  CTAs per SM its registers allow, by head dim
+# (csrc/decode_k4.cu; BENCHMARKS.md: 2 beat 3 at D = 256).  Its split rule: one wave of resident CTAs (a
+# second wave measured slower: each CTA builds its table and rotates q), splits of at least
+# CUDA_MIN_KEYS_PER_SPLIT keys.
+CUDA_HEAD_DIMS = (64, 128, 256)
+CUDA_MAX_ROWS = 8
+CUDA_MAX_PARTS = 1024
+CUDA_CTAS_PER_SM = {64: 4, 128: 4, 256: 2}
+CUDA_MIN_KEYS_PER_SPLIT = 512
+
+
+def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
+    """Whether the CUDA kernel covers a call of this shape (the device check is cuda.py's)."""
+    return head_dim in CUDA_HEAD_DIMS and k_bits == 4 and v_bits == 4 and query_rows <= CUDA_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -66,10 +82,16 @@ def _tile(head_dim: int) -> tuple[int, int, int]:
 @lru_cache(maxsize=4096)  # a decode loop asks the same question every step: host time matters
 def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, batch_kv_heads: int,
                 query_rows: int, max_tokens: int, num_splits: int | None = None,
-                programs_per_sm: int | None = None) -> DecodePlan:
-    """The plan for query_rows = Tq x GQA group rows per KV head over up to max_tokens cached keys."""
+                programs_per_sm: int | None = None, kernel: str = "triton") -> DecodePlan:
+    """The plan for query_rows = Tq x GQA group rows per KV head over up to max_tokens cached keys.
+
+    kernel: the implementation that will run it ("cuda" plans the CUDA kernel's splits where it serves).
+    """
     block_m = 16 if query_rows <= 16 else 64
     block_n, num_warps, num_stages = _tile(head_dim)
+    if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
+        resident = (programs_per_sm or CUDA_CTAS_PER_SM[head_dim]) * sm_count(device)
+        num_splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT))
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)
         num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,

@@ -1,9 +1,10 @@
-"""The CUDA fast path of cached attention: 4-bit K and V at head_dim 128 on tensor cores (csrc/decode_k4.cu).
+"""The CUDA fast path of cached attention: 4-bit K and V at head_dim 64/128/256 on tensor cores (csrc/decode_k4.cu).
 
-The kernel fills the cache splits' partials; the fresh tokens' part and the merge (sinks, rotation back)
-stay with the Triton kernels (triton.py), so the two paths share every piece but the hot loop.  Calls the
-kernel does not serve (other bit widths or head dims, more than 8 query rows per KV head, GPUs before
-sm_80) go to the Triton path.  The extension is built with nvcc on first use (torch.utils.cpp_extension).
+One launch covers the cache splits and their merge (the last CTA of each sequence x KV head merges, adds the
+sinks, rotates back and casts); fresh k/v tokens, when given, are one more part that the Triton kernel
+writes first (triton.py).  Calls the kernel does not serve (other bit widths or head dims, more than 8 query
+rows per KV head, GPUs before sm_80) go to the Triton path.  The extension is built with nvcc on first use
+(torch.utils.cpp_extension).
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from .config import DecodePlan, plan_decode
-from .triton import cached_attention_triton
+from .config import CUDA_CTAS_PER_SM, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
+from .triton import cached_attention_triton, launch_parts, part_buffers, query_scale
 
 CSRC = Path(__file__).with_name("csrc")
-MAX_ROWS = 8         # query rows (Tq x GQA group) per KV head: the N = 8 side of the MMA
 CHUNK_ALIGN = 64     # split boundaries, in keys (a multiple of the kernel's 16-key tile)
-MIN_BLOCKS = 4       # CTAs per SM the kernel's registers allow (127 registers; BENCHMARKS.md)
 
 
 @lru_cache(maxsize=None)
@@ -50,31 +49,49 @@ def _capable(device: torch.device) -> bool:
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return (q.is_cuda and codec.head_dim == 128 and codec.k_bits == 4 and codec.v_bits == 4 and rows <= MAX_ROWS
-            and _capable(q.device))
+    return q.is_cuda and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device)
+
+
+@lru_cache(maxsize=None)
+def _counter_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
+    """Zeroed arrival counters of the fused merge, one per (sequence, KV head), per device and stream (kernels
+    in flight on two streams must not share them); every merge leaves its counter at zero again."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream
+    size = 1 << max(needed - 1, 0).bit_length()  # powers of two: few buffers as batches vary
+    return _counter_buffer(device, stream, max(size, 64))
 
 
 def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
                           v: torch.Tensor | None = None, scale: float | None = None,
                           softcap: float | None = None, sinks: torch.Tensor | None = None,
                           plan: DecodePlan | None = None) -> torch.Tensor:
-    """cached_attention_triton's contract; the cache splits run in the CUDA kernel when it serves the call."""
+    """cached_attention_triton's contract; runs the CUDA kernel when it serves the call."""
     b, hq, tq, d = q.shape
-    rows = tq * (hq // layout.num_kv_heads)
-    ext = _extension() if supports(q, codec, layout.num_kv_heads) else None
-    if ext is None:
+    hkv = layout.num_kv_heads
+    rows = tq * (hq // hkv)
+    ext = _extension() if supports(q, codec, hkv) else None
+    if ext is not None and plan is None:
+        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda")
+    if ext is None or plan.num_splits + 1 > CUDA_MAX_PARTS:
         return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
-    if plan is None:
-        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * layout.num_kv_heads, rows, layout.capacity)
     dev = q.device
     if q.stride(3) != 1:
         q = q.contiguous()
-    gain_inv = layout.key_gain_inv if layout.has_key_transform else None
-
-    def cache_splits(o_part, lse_part, q_scale, num_parts):
-        ext.decode_k4(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
-                      layout.starts, gain_inv, device_signs(d, dev), device_centroids(4, dev, torch.float32),
-                      o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0,
-                      plan.num_splits, num_parts, layout.is_ring, k is not None, CHUNK_ALIGN, MIN_BLOCKS)
-
-    return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan, cache_splits=cache_splits)
+    q_scale = query_scale(d, scale, softcap)
+    parts = plan.num_splits + int(k is not None)
+    o_part, lse_part = part_buffers(q, hkv, parts)
+    if k is not None:  # the fresh tokens' part first: the fused merge reads it
+        launch_parts(q, layout, codec, k, v, q_scale, softcap, plan, o_part, lse_part, plan.num_splits)
+    out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    ext.decode_k4(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
+                  layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
+                  device_centroids(4, dev, torch.float32), o_part, lse_part, float(q_scale), float(softcap or 0.0),
+                  layout.sliding_window or 0, plan.num_splits, parts, layout.is_ring, k is not None, CHUNK_ALIGN,
+                  CUDA_CTAS_PER_SM[d], _counters(dev, b * hkv), out, sinks)
+    return out

@@ -280,36 +280,35 @@ def _merge_reduce_kernel(
     tl.store(o_ptr + HALF, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
-                            v: torch.Tensor | None = None, scale: float | None = None,
-                            softcap: float | None = None, sinks: torch.Tensor | None = None,
-                            plan: DecodePlan | None = None, cache_splits=None) -> torch.Tensor:
-    """Launch the split-K kernel and the merge.  Inputs are validated by attention.cached_attention.
+def query_scale(d: int, scale: float | None, softcap: float | None) -> float:
+    """The factor the kernels apply to q: the softmax runs in base 2, so log2(e) joins it unless softcap
+    needs the raw scores."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    return scale if softcap is not None else scale * LOG2E.value
 
-    plan: the launch plan (config.plan_decode); None plans for a full cache (layout.capacity keys).
-    cache_splits: another kernel that fills the cache splits' partials instead of this one (the CUDA
-    fast path); called as cache_splits(o_part, lse_part, q_scale, num_parts) before the fresh part.
-    """
+
+def part_buffers(q: torch.Tensor, num_kv_heads: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o_part, lse_part): every part's normalized output [B * Hkv * parts * rows, D] and log2-sum-exp."""
+    b, hq, tq, d = q.shape
+    rows = tq * (hq // num_kv_heads)
+    o_part = torch.empty(b * num_kv_heads * parts * rows * d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(b * num_kv_heads * parts * rows, dtype=torch.float32, device=q.device)
+    return o_part, lse_part
+
+
+def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None,
+                 v: torch.Tensor | None, q_scale: float, softcap: float | None, plan: DecodePlan,
+                 o_part: torch.Tensor, lse_part: torch.Tensor, split_base: int) -> None:
+    """Run the split-K kernel for parts split_base .. (the cache splits, then the fresh k/v part if any)."""
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     group = hq // hkv
     dev = q.device
-    if plan is None:
-        plan = plan_decode(dev, d, codec.k_bits, codec.v_bits, b * hkv, tq * group, layout.capacity)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    # The softmax runs in base 2: fold log2(e) into q unless softcap needs the raw scores.
-    q_scale = scale if softcap is not None else scale * LOG2E.value
     has_fresh = k is not None
-    rows = tq * group
     parts = plan.num_splits + int(has_fresh)
-    o_part = torch.empty(b * hkv * parts * rows * d, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(b * hkv * parts * rows, dtype=torch.float32, device=dev)
-    split_base = 0
-    if cache_splits is not None:
-        cache_splits(o_part, lse_part, q_scale, parts)
-        split_base = plan.num_splits
-    out_dtype = q.dtype  # q may be replaced by its rotated float16 copy below
+    if parts <= split_base:
+        return
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
@@ -331,35 +330,60 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
         v = v.contiguous()
     kf, vf = (k, v) if has_fresh else (q, q)  # unused without fresh tokens
 
+    rows = tq * group
     row_blocks = triton.cdiv(rows, plan.block_m)
     k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
     use_lut = plan.lookup == "lut"
     k_lut = lut4_asm() if use_lut and codec.k_bits == 4 else ""
     v_lut = lut4_asm() if use_lut and codec.v_bits == 4 else ""
     window = layout.sliding_window or 0
-    if parts > split_base:
-        _cached_attention_kernel[(parts - split_base, b * hkv, row_blocks)](
-            q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes,
-            layout.v_scales, device_centroids(codec.k_bits, dev, torch.float16),
-            device_centroids(codec.v_bits, dev, torch.float16),
-            kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
-            device_signs(d, dev), hadamard_tile(d // 2, dev),
-            *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
-            float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits, split_base,
-            parts,
-            D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
-            V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, RING=layout.is_ring, HAS_FRESH=has_fresh,
-            HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
-            K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
-            PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
-    out = torch.empty(b, hq, tq, d, dtype=out_dtype, device=dev)
+    _cached_attention_kernel[(parts - split_base, b * hkv, row_blocks)](
+        q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes,
+        layout.v_scales, device_centroids(codec.k_bits, dev, torch.float16),
+        device_centroids(codec.v_bits, dev, torch.float16),
+        kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
+        device_signs(d, dev), hadamard_tile(d // 2, dev),
+        *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
+        float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits, split_base,
+        parts,
+        D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
+        V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, RING=layout.is_ring, HAS_FRESH=has_fresh,
+        HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
+        K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
+        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+
+
+def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
+                 num_kv_heads: int, parts: int) -> None:
+    """Merge the parts by LSE, add the sinks, rotate back and cast into out [B, Hq, Tq, D]."""
+    b, hq, tq, d = out.shape
+    group = hq // num_kv_heads
     block_r = 16
-    _merge_reduce_kernel[(b * hkv, triton.cdiv(rows, block_r))](
-        o_part, lse_part, sinks if sinks is not None else lse_part, device_signs(d, dev),
-        hadamard_tile(d // 2, dev), out, tq, hkv, parts,
+    _merge_reduce_kernel[(b * num_kv_heads, triton.cdiv(tq * group, block_r))](
+        o_part, lse_part, sinks if sinks is not None else lse_part, device_signs(d, out.device),
+        hadamard_tile(d // 2, out.device), out, tq, num_kv_heads, parts,
         D=d, G=group, BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=4,
     )
+
+
+def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
+                            v: torch.Tensor | None = None, scale: float | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None,
+                            plan: DecodePlan | None = None) -> torch.Tensor:
+    """Launch the split-K kernel and the merge.  Inputs are validated by attention.cached_attention.
+
+    plan: the launch plan (config.plan_decode); None plans for a full cache (layout.capacity keys).
+    """
+    b, hq, tq, d = q.shape
+    hkv = layout.num_kv_heads
+    if plan is None:
+        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv), layout.capacity)
+    parts = plan.num_splits + int(k is not None)
+    o_part, lse_part = part_buffers(q, hkv, parts)
+    launch_parts(q, layout, codec, k, v, query_scale(d, scale, softcap), softcap, plan, o_part, lse_part, 0)
+    out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
+    launch_merge(o_part, lse_part, sinks, out, hkv, parts)
     return out

@@ -11,7 +11,8 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
                const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv, const torch::Tensor& signs,
                const torch::Tensor& centroids, torch::Tensor& o_part, torch::Tensor& lse_part, double q_scale,
                double softcap, int64_t window, int64_t num_splits, int64_t num_parts, bool ring, bool has_fresh,
-               int64_t chunk_align, int64_t min_blocks) {
+               int64_t chunk_align, int64_t min_blocks, const c10::optional<torch::Tensor>& counters,
+               const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& sinks) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -29,6 +30,9 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
   p.centroids = centroids.data_ptr<float>();
   p.o_part = o_part.data_ptr<float>();
   p.lse_part = lse_part.data_ptr<float>();
+  p.counters = counters.has_value() ? counters->data_ptr<int>() : nullptr;
+  p.out = out.has_value() ? out->data_ptr() : nullptr;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.q_scale = static_cast<float>(q_scale);
   p.softcap = static_cast<float>(softcap);
   p.tq = q.size(2);
@@ -42,9 +46,9 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
   p.has_fresh = has_fresh;
   p.chunk_align = chunk_align;
   const c10::cuda::CUDAGuard guard(q.device());
-  const int err = launch_decode_k4_d128(p, num_splits, k_codes.size(0) * k_codes.size(1), min_blocks,
+  const int err = launch_decode_k4(p, q.size(3), num_splits, k_codes.size(0) * k_codes.size(1), min_blocks,
                                         at::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "turboattn decode_k4 launch failed: CUDA error ", err);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_k4", &decode_k4, "split-K decode, 4-bit K/V, D = 128"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_k4", &decode_k4, "split-K decode, 4-bit K/V, D = 64 / 128 / 256"); }

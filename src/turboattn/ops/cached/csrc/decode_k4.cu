@@ -1,4 +1,5 @@
-// Split-K decode over a 4-bit compressed cache (K and V), head_dim 128, on tensor cores (mma.sync m16n8k16).
+// Split-K decode over a 4-bit compressed cache (K and V), head_dim 64 / 128 / 256, on tensor cores (mma.sync
+// m16n8k16).
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
 // online softmax, and the warps are combined at the end.  Keys sit on the MMA's M side ("swap AB": a decode step
@@ -6,15 +7,19 @@
 // straight into an MMA fragment (lane = 4 g + c):
 //   * scores S^T = K Q^T: the A operand (16 keys x 16 dims) of lane (g, c) holds keys g and g + 8 at the k-indices
 //     2c, 2c+1, 2c+8, 2c+9.  The dot product does not care which dim sits at which k-index as long as Q^T uses the
-//     same order, so a lane takes 16 contiguous code bytes of each of its keys (bytes 16c..16c+15): byte i gives the
-//     half2 (centroid of dim 16c+i, centroid of dim 64+16c+i) (planar nibbles), exactly one A register.
+//     same order, so a lane takes D/8 contiguous code bytes of each of its keys (bytes c D/8 ...): byte i gives the
+//     half2 (centroid of dim c D/8 + i, centroid of dim D/2 + c D/8 + i) (planar nibbles), exactly one A register.
 //   * output O^T = V^T P^T: P^T leaves the score accumulators in the A/C layout and one movmatrix.trans per 8 keys
 //     puts it in the B layout; the A operand (16 dims x 16 keys) of lane (g, c) holds keys 2c, 2c+1, 2c+8, 2c+9 at
-//     dims g and g + 8 of the tile; a lane takes code bytes 8g..8g+7 of those keys, and byte-permutes pair two
+//     dims g and g + 8 of the tile; a lane takes code bytes g D/16 ... of those keys, and byte-permutes pair two
 //     keys' centroids per register.  Output dims are un-permuted on store.
-// Centroids come from a byte -> half2 table in shared memory, one copy per lane (no bank conflicts).
+// Centroids come from a byte -> half2 table in shared memory, one copy per lane (no bank conflicts); a lookup is
+// one shift, one lop3 and one shared load.
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
-// the PV product.  Each CTA writes its split's normalized output and log2-sum-exp (the Triton merge reads them).
+// the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
+// vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
+// output and log2-sum-exp; with counters given, the last CTA of each (sequence, KV head) merges all parts
+// (merge_parts) in the same launch.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -26,8 +31,17 @@ namespace turboattn {
 constexpr int WARPS = 4;
 constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
-constexpr int ROW_BYTES = HEAD_DIM / 2;  // 4-bit codes
-constexpr int SMEM_BYTES = 256 * 32 * 4 + MAX_ROWS * HEAD_DIM * 4 + WARPS * MAX_ROWS * 2 * 4;
+constexpr int LUT_WORDS = 256 * 32;  // byte -> half2, one column per lane
+
+template <int D>
+struct Shape {
+  static constexpr int ROW_BYTES = D / 2;  // 4-bit codes
+  static constexpr int K_STEPS = D / 16;   // MMA k-steps of the score product
+  static constexpr int K_WORDS = D / 32;   // code words a lane reads per score key (D/8 bytes)
+  static constexpr int V_WORDS = D / 64;   // code words a lane reads per value key (D/16 bytes)
+  static constexpr int DIM_TILES = D / 16; // 16-dim tiles of the output
+  static constexpr bool Q_IN_SMEM = D >= 256;  // q fragments: registers would crowd out the accumulators
+};
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
@@ -54,87 +68,188 @@ __device__ __forceinline__ float load_q(const DecodeParams& p, long long offset)
   return reinterpret_cast<const float*>(p.q)[offset];
 }
 
-__device__ __forceinline__ uint32_t byte_of(uint32_t word, int i) { return (word >> (8 * i)) & 0xFF; }
+// N consecutive 32-bit code words, streamed (read once: evict first).
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t (&w)[N]) {
+  if constexpr (N == 1) {
+    w[0] = __ldcs(reinterpret_cast<const unsigned int*>(ptr));
+  } else if constexpr (N == 2) {
+    const uint2 x = __ldcs(reinterpret_cast<const uint2*>(ptr));
+    w[0] = x.x, w[1] = x.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 x = __ldcs(reinterpret_cast<const uint4*>(ptr) + i);
+      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+    }
+  }
+}
 
-// One warp's 16-key tile as this lane needs it: K code words of keys g and g + 8 (16 bytes each), V code words of
-// keys 2c, 2c+1, 2c+8, 2c+9 (8 bytes each), and the scales of keys g and g + 8 (the lane's score keys).
+// Table entry of byte i of `word` for this lane (lane4 = 4 lane): byte offset byte * 128 + lane4 in one shift and
+// one lop3 (the two fields do not overlap), and the table's own address is the shared load's immediate.
+__device__ __forceinline__ uint32_t lookup(const uint32_t* lut, uint32_t lane4, uint32_t word, int i) {
+  const uint32_t off = ((i == 0 ? word << 7 : word >> (8 * i - 7)) & 0x7F80u) | lane4;
+  return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + off);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = 0, no range fix-ups
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One warp's 16-key tile as this lane needs it: K code words of keys g and g + 8, V code words of keys 2c, 2c+1,
+// 2c+8, 2c+9, and the scales of keys g and g + 8 (the lane's score keys).
+template <int D>
 struct TileData {
-  uint4 kw[2];
-  uint2 vw[4];
+  uint32_t kw[2][Shape<D>::K_WORDS];
+  uint32_t vw[4][Shape<D>::V_WORDS];
   float k_scale[2], v_scale[2];
 };
 
-__device__ __forceinline__ void load_tile(const DecodeParams& p, size_t row0, int tile, int hi, int g, int c,
-                                          TileData& t) {
+// This lane's addresses at slot 0 of its (sequence, KV head): every load of a tile is one of these plus the
+// tile's offset plus an immediate.
+struct LanePointers {
+  const uint8_t* k;   // K codes of key g, bytes c D/8 ...
+  const uint8_t* v;   // V codes of key 2c, bytes g D/16 ...
+  const float* ks;    // K scale of key g
+  const float* vs;    // V scale of key g
+};
+
+template <int D>
+__device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, TileData<D>& t) {
+  constexpr int RB = Shape<D>::ROW_BYTES;
+  const uint8_t* k = lp.k + (size_t)tile * RB;
+  const uint8_t* v = lp.v + (size_t)tile * RB;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    const int slot = tile + 8 * n + g;
-    const bool ok = slot < hi;
-    t.kw[n] = ok ? *reinterpret_cast<const uint4*>(p.k_codes + (row0 + slot) * ROW_BYTES + 16 * c)
-                 : make_uint4(0, 0, 0, 0);
-    t.k_scale[n] = ok ? p.k_scales[row0 + slot] : 0.f;
-    t.v_scale[n] = ok ? p.v_scales[row0 + slot] : 0.f;
+    load_words(k + 8 * n * RB, t.kw[n]);
+    t.k_scale[n] = __ldcs(lp.ks + tile + 8 * n);
+    t.v_scale[n] = __ldcs(lp.vs + tile + 8 * n);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) load_words(v + ((j & 1) + 8 * (j >> 1)) * RB, t.vw[j]);
+}
+
+// The last tile of a full cache: slots past the capacity read the last slot (the softmax masks them).
+template <int D>
+__device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int tile, int capacity, int g, int c,
+                                                  TileData<D>& t) {
+  constexpr int RB = Shape<D>::ROW_BYTES;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int slot = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
+    load_words(lp.k + (size_t)slot * RB, t.kw[n]);
+    t.k_scale[n] = __ldcs(lp.ks + slot);
+    t.v_scale[n] = __ldcs(lp.vs + slot);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int slot = tile + 2 * c + (j & 1) + 8 * (j >> 1);
-    t.vw[j] = slot < hi ? *reinterpret_cast<const uint2*>(p.v_codes + (row0 + slot) * ROW_BYTES + 8 * g)
-                        : make_uint2(0, 0);
+    const int slot = min(tile + 2 * c + (j & 1) + 8 * (j >> 1), capacity - 1) - 2 * c;
+    load_words(lp.v + (size_t)slot * RB, t.vw[j]);
+  }
+}
+
+// Fast Walsh-Hadamard transform (unnormalized, Sylvester order) of `rows` rows of D floats in shared memory, in
+// place, by the whole CTA; ends synchronized.
+template <int D>
+__device__ __forceinline__ void hadamard_rows(float* x, int rows) {
+  for (int h = 1; h < D; h <<= 1) {
+    for (int i = threadIdx.x; i < rows * D / 2; i += WARPS * 32) {
+      const int r = i / (D / 2), j = i % (D / 2);
+      const int lo = (j / h) * 2 * h + (j % h), hi = lo + h;
+      const float u = x[r * D + lo], v = x[r * D + hi];
+      x[r * D + lo] = u + v;
+      x[r * D + hi] = u - v;
+    }
+    __syncthreads();
+  }
+}
+
+// The fused merge, run by the last CTA of a (sequence, KV head): parts by log2-sum-exp (plus the sink logit in the
+// denominator), then the rotation back x = signs * H y / sqrt(D), cast to q's dtype.  weight: shared scratch of
+// MAX_ROWS x num_parts floats; y: shared [MAX_ROWS][D].  Parts were written by other CTAs: read through L2.
+template <int D>
+__device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator) {
+  // Indices are recomputed here, so that the main loop need not keep them alive.
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bh = blockIdx.y, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int num_parts = p.num_parts;
+  const size_t first = (size_t)bh * num_parts * rows;  // part q of row r: first + q * rows + r
+  for (int r = warp; r < rows; r += WARPS) {
+    const int head = kvh * p.group + r % p.group;
+    const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
+    float mx = sink;
+    for (int q = lane; q < num_parts; q += 32) mx = fmaxf(mx, __ldcg(p.lse_part + first + (size_t)q * rows + r));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f;
+    for (int q = lane; q < num_parts; q += 32) {
+      const float w = exp2f(__ldcg(p.lse_part + first + (size_t)q * rows + r) - m_use);
+      weight[r * num_parts + q] = w;
+      sum += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) denominator[r] = sum + exp2f(sink - m_use);
+  }
+  __syncthreads();
+  // Each thread owns float4s of the output and keeps BATCH parts' loads in flight: this merge sits on the
+  // kernel's tail, so it is written for latency.
+  constexpr int D4 = D / 4, BATCH = 16;
+  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of a row
+  for (int i = tid; i < rows * D4; i += WARPS * 32) {
+    const int r = i / D4;
+    const float4* o = reinterpret_cast<const float4*>(p.o_part + (first + r) * D) + i % D4;
+    const float* w = weight + r * num_parts;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q0 = 0; q0 < num_parts; q0 += BATCH) {
+      float4 x[BATCH];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) x[j] = q0 + j < num_parts ? __ldcg(o + (q0 + j) * step) : make_float4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const float wj = q0 + j < num_parts ? w[q0 + j] : 0.f;
+        acc.x += wj * x[j].x, acc.y += wj * x[j].y, acc.z += wj * x[j].z, acc.w += wj * x[j].w;
+      }
+    }
+    const float inv = denominator[r] > 0.f ? 1.f / denominator[r] : 0.f;
+    reinterpret_cast<float4*>(y)[i] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  }
+  __syncthreads();
+  hadamard_rows<D>(y, rows);
+  const float norm = rsqrtf((float)D);
+  const int hq = p.num_kv_heads * p.group;
+  for (int i = tid; i < rows * D; i += WARPS * 32) {
+    const int r = i / D, d = i % D;
+    const int t = r / p.group, head = kvh * p.group + r % p.group;
+    const size_t at = (((size_t)b * hq + head) * p.tq + t) * D + d;
+    const float x = y[i] * p.signs[d] * norm;
+    if (p.q_dtype == 0) reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(x);
+    else if (p.q_dtype == 1) reinterpret_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(x);
+    else reinterpret_cast<float*>(p.out)[at] = x;
   }
 }
 
 // MIN_BLOCKS: CTAs per SM the register allocation must allow.
-template <int MIN_BLOCKS>
-__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4_d128(const DecodeParams p) {
-  // Shared memory: the lookup table (256 bytes x 32 lanes of half2 = 32 KB, later reused to combine the warps),
-  // the rotated queries, and the warps' row statistics.
-  extern __shared__ __align__(16) uint8_t smem[];
-  uint32_t* lut = reinterpret_cast<uint32_t*>(smem);
-  float* q_rot = reinterpret_cast<float*>(smem + 256 * 32 * 4);     // [MAX_ROWS][HEAD_DIM]
-  float* warp_ml = q_rot + MAX_ROWS * HEAD_DIM;                      // [WARPS][MAX_ROWS][2]
+template <int D, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const DecodeParams p) {
+  using S = Shape<D>;
+  // The lookup table (32 KB, later reused to combine the warps), the rotated queries, the q fragments when they
+  // live in shared memory, and the warps' row statistics.  Static, so table addresses are immediates.
+  __shared__ __align__(16) uint32_t lut[LUT_WORDS];
+  __shared__ float q_rot[MAX_ROWS * D];
+  __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
+  __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
+  __shared__ int is_last;
+  static_assert(WARPS * MAX_ROWS * D * 4 <= LUT_WORDS * 4, "the warps' outputs must fit in the table's space");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int split = blockIdx.x, bh = blockIdx.y;
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
   const int rows = p.tq * p.group;
-
-  for (int i = tid; i < 256 * 32; i += WARPS * 32) {
-    const int byte = i >> 5;
-    lut[i] = pack_half2(p.centroids[byte & 15], p.centroids[byte >> 4]);
-  }
-  // Queries of the GQA group: row r = token r / G of query head kvh * G + r % G; q / gain, signs, then H.
-  for (int i = tid; i < MAX_ROWS * HEAD_DIM; i += WARPS * 32) {
-    const int r = i / HEAD_DIM, d = i % HEAD_DIM;
-    float x = 0.f;
-    if (r < rows) {
-      const int t = r / p.group, h = kvh * p.group + r % p.group;
-      x = load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d);
-      if (p.gain_inv) x *= p.gain_inv[(size_t)bh * HEAD_DIM + d];
-      x *= p.signs[d];
-    }
-    q_rot[i] = x;
-  }
-  __syncthreads();
-  for (int h = 1; h < HEAD_DIM; h <<= 1) {  // fast Walsh-Hadamard transform of each row, in place
-    for (int i = tid; i < MAX_ROWS * HEAD_DIM / 2; i += WARPS * 32) {
-      const int r = i / (HEAD_DIM / 2), j = i % (HEAD_DIM / 2);
-      const int lo = (j / h) * 2 * h + (j % h), hi = lo + h;
-      const float x = q_rot[r * HEAD_DIM + lo], y = q_rot[r * HEAD_DIM + hi];
-      q_rot[r * HEAD_DIM + lo] = x + y;
-      q_rot[r * HEAD_DIM + hi] = x - y;
-    }
-    __syncthreads();
-  }
-  const float q_norm = p.q_scale * rsqrtf((float)HEAD_DIM);
-  // B fragments of Q^T (16 dims x 8 rows) for the 8 k-steps: row g, the dims of k-indices 2c, 2c+1 / 2c+8, 2c+9.
-  uint32_t qb[8][2];
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    const int d0 = 16 * c + 2 * kk;
-    qb[kk][0] = pack_half2(q_rot[g * HEAD_DIM + d0] * q_norm, q_rot[g * HEAD_DIM + 64 + d0] * q_norm);
-    qb[kk][1] = pack_half2(q_rot[g * HEAD_DIM + d0 + 1] * q_norm, q_rot[g * HEAD_DIM + 65 + d0] * q_norm);
-  }
 
   // This split's slots, narrowed to what some query can see (as the Triton kernel does).
   const int seen = p.seen[b], start = p.starts[b];
@@ -144,108 +259,177 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4_d128(const D
   const int lo = split * chunk;
   int hi = min(lo + chunk, held);
   const int qpos_base = p.has_fresh ? seen : seen - p.tq;
-  if (!p.ring) hi = min(hi, qpos_base + p.tq);
-  // This lane's score rows: 2c and 2c + 1.
-  int qpos[2];
-  bool row_ok[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int r = 2 * c + e;
-    row_ok[e] = r < rows;
-    qpos[e] = qpos_base + r / p.group;
-  }
+  const int qpos_last = qpos_base + p.tq - 1;
+  if (!p.ring) hi = min(hi, qpos_last + 1);
+  // Ring slots hold positions pos = slot + ring_base, minus capacity past the newest slot (ring_wrap).
+  const int ring_wrap = (seen - 1) % p.capacity, ring_base = (seen - 1) - ring_wrap;
+  auto position = [&](int slot) { return p.ring ? slot + ring_base - (slot > ring_wrap ? p.capacity : 0) : slot; };
+  // This lane's score rows are 2c and 2c + 1 (rows past `rows` hold zero queries and are never stored).
+  const int qpos[2] = {qpos_base + (2 * c) / p.group, qpos_base + (2 * c + 1) / p.group};
 
   const size_t row0 = (size_t)bh * p.capacity;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float acc[8][4];
-#pragma unroll
-  for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  const LanePointers lp{p.k_codes + (row0 + g) * S::ROW_BYTES + c * (D / 8),
+                        p.v_codes + (row0 + 2 * c) * S::ROW_BYTES + g * (D / 16), p.k_scales + row0 + g,
+                        p.v_scales + row0 + g};
+  auto load = [&](int tile, TileData<D>& t) {
+    if (tile + TILE_KEYS <= p.capacity) load_tile<D>(lp, tile, t);
+    else load_tile_clamped<D>(lp, tile, p.capacity, g, c, t);
+  };
+  const uint32_t lane4 = 4 * lane;
+  // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
+  // the split's end, left padding and the window); a ring's tiles always take the masked path.
+  int safe_lo = start, safe_hi = min(hi, qpos_base + 1);
+  if (p.window > 0) safe_lo = max(safe_lo, qpos_last - p.window + 1);
+  if (p.ring) safe_hi = safe_lo - 1;
 
-  // Each warp keeps its next tile's loads in flight while it computes the current one.
-  TileData next;
-  load_tile(p, row0, lo + warp * TILE_KEYS, hi, g, c, next);
-  for (int tile = lo + warp * TILE_KEYS; tile < hi; tile += WARPS * TILE_KEYS) {
-    const TileData cur = next;
-    if (tile + WARPS * TILE_KEYS < hi) load_tile(p, row0, tile + WARPS * TILE_KEYS, hi, g, c, next);
-    // Scores S^T (16 keys x 8 rows): 8 MMAs over the 128 dims.
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    const uint32_t k0[4] = {cur.kw[0].x, cur.kw[0].y, cur.kw[0].z, cur.kw[0].w};
-    const uint32_t k1[4] = {cur.kw[1].x, cur.kw[1].y, cur.kw[1].z, cur.kw[1].w};
+
+  {  // Table: entry (byte, lane) = (centroid[byte & 15], centroid[byte >> 4]).  Thread tid writes the entries
+     // byte = tid / 32 + 4 j of its lane column: the high nibble is j / 4, the low one takes 4 values.
+    __half hi_c[16], lo_c[4];
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const int i0 = (2 * kk) % 4, i1 = (2 * kk + 1) % 4;
-      mma_16816(s, lut[(byte_of(k0[kk / 2], i0) << 5) | lane], lut[(byte_of(k1[kk / 2], i0) << 5) | lane],
-                lut[(byte_of(k0[kk / 2], i1) << 5) | lane], lut[(byte_of(k1[kk / 2], i1) << 5) | lane],
-                qb[kk][0], qb[kk][1]);
+    for (int i = 0; i < 16; ++i) hi_c[i] = __float2half_rn(p.centroids[i]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) lo_c[i] = __float2half_rn(p.centroids[warp + 4 * i]);
+#pragma unroll
+    for (int j = 0; j < 64; ++j) {
+      const __half2 h = __halves2half2(lo_c[j % 4], hi_c[j / 4]);
+      lut[tid + 128 * j] = *reinterpret_cast<const uint32_t*>(&h);
     }
-    // s[2n + e]: key g + 8n, row 2c + e.  Scale, cap, mask, then the online softmax of rows 2c, 2c + 1.
-    bool key_ok[2];
-    int key_pos[2];
+  }
+  // The first tile's loads go out now: their latency hides behind the q rotation.
+  TileData<D> next;
+  const int first_tile = lo + warp * TILE_KEYS;
+  if (first_tile < hi) load(first_tile, next);
+  // Queries of the GQA group: row r = token r / G of query head kvh * G + r % G; q / gain, signs, then H.
+  for (int i = tid; i < MAX_ROWS * D; i += WARPS * 32) {
+    const int r = i / D, d = i % D;
+    float x = 0.f;
+    if (r < rows) {
+      const int t = r / p.group, h = kvh * p.group + r % p.group;
+      x = load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d);
+      if (p.gain_inv) x *= p.gain_inv[(size_t)bh * D + d];
+      x *= p.signs[d];
+    }
+    q_rot[i] = x;
+  }
+  __syncthreads();
+  hadamard_rows<D>(q_rot, MAX_ROWS);
+  const float q_norm = p.q_scale * rsqrtf((float)D);
+  // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims of k-indices 2c, 2c+1 / 2c+8, 2c+9.
+  auto q_fragment = [&](int kk) {
+    const int d0 = c * (D / 8) + 2 * kk;
+    return make_uint2(pack_half2(q_rot[g * D + d0] * q_norm, q_rot[g * D + D / 2 + d0] * q_norm),
+                      pack_half2(q_rot[g * D + d0 + 1] * q_norm, q_rot[g * D + D / 2 + d0 + 1] * q_norm));
+  };
+  uint2 qb[S::Q_IN_SMEM ? 1 : S::K_STEPS];
+  if constexpr (S::Q_IN_SMEM) {
+    for (int kk = warp; kk < S::K_STEPS; kk += WARPS) q_frag[kk * 32 + lane] = q_fragment(kk);
+    __syncthreads();
+  } else {
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int slot = tile + 8 * n + g;
-      const int pos = p.ring ? slot + p.capacity * ((seen - 1 - slot) / p.capacity) : slot;
-      key_ok[n] = slot < hi && pos >= start;
-      key_pos[n] = pos;
+    for (int kk = 0; kk < S::K_STEPS; ++kk) qb[kk] = q_fragment(kk);
+  }
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float acc[S::DIM_TILES][4];
+#pragma unroll
+  for (int t = 0; t < S::DIM_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+
+  // One 16-key tile: scores, online softmax, and the PV product.
+  auto process = [&](const TileData<D>& cur, const int tile) {
+    // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains.
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < S::K_STEPS; ++kk) {
+      const uint32_t w0 = cur.kw[0][kk / 2], w1 = cur.kw[1][kk / 2];
+      const int i0 = 2 * (kk % 2), i1 = i0 + 1;
+      const uint2 qf = S::Q_IN_SMEM ? q_frag[kk * 32 + lane] : qb[S::Q_IN_SMEM ? 0 : kk];
+      mma_16816(kk % 2 ? s_odd : s, lookup(lut, lane4, w0, i0), lookup(lut, lane4, w1, i0),
+                lookup(lut, lane4, w0, i1), lookup(lut, lane4, w1, i1), qf.x, qf.y);
+    }
+    // s[2n + e]: key g + 8n, row 2c + e.  Scale, cap, and mask where a mask can apply.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float x = (s[i] + s_odd[i]) * cur.k_scale[i / 2];
+      if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
+      s[i] = x;
+    }
+    if (tile < safe_lo || tile + TILE_KEYS > safe_hi) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int slot = tile + 8 * n + g;
+        const int pos = position(slot);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          bool keep = slot < hi && pos >= start && pos <= qpos[e];
+          if (p.window > 0) keep = keep && qpos[e] - pos < p.window;
+          if (!keep) s[2 * n + e] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax of rows 2c, 2c + 1.  The row maximum (shared by the row's 8 lanes) only moves, and the
+    // accumulators only rescale, when some lane's score exceeds it: rare after the first tiles.
+    const bool grows = fmaxf(s[0], s[2]) > m[0] || fmaxf(s[1], s[3]) > m[1];
+    if (__any_sync(0xffffffffu, grows)) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = fmaxf(s[e], s[2 + e]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[e], mx);
+        const float alpha = fast_exp2(m[e] - (m_new == -INFINITY ? 0.f : m_new));
+        l[e] *= alpha;
+#pragma unroll
+        for (int t = 0; t < S::DIM_TILES; ++t) {
+          acc[t][e] *= alpha;
+          acc[t][2 + e] *= alpha;
+        }
+        m[e] = m_new;
+      }
     }
     float pr[4];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      float mx = -INFINITY;
+      const float m_use = m[e] == -INFINITY ? 0.f : m[e];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        float x = s[2 * n + e] * cur.k_scale[n];
-        if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
-        bool keep = row_ok[e] && key_ok[n] && key_pos[n] <= qpos[e];
-        if (p.window > 0) keep = keep && (qpos[e] - key_pos[n] < p.window);
-        x = keep ? x : -INFINITY;
-        s[2 * n + e] = x;
-        mx = fmaxf(mx, x);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 16));
-      const float m_new = fmaxf(m[e], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m[e] - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const float e2 = exp2f(s[2 * n + e] - m_use);
-        sum += e2;
+        const float e2 = fast_exp2(s[2 * n + e] - m_use);
+        l[e] += e2;
         pr[2 * n + e] = e2 * cur.v_scale[n];
-      }
-      l[e] = l[e] * alpha + sum;
-      m[e] = m_new;
-#pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        acc[t][e] *= alpha;
-        acc[t][2 + e] *= alpha;
       }
     }
     // P^T (16 keys x 8 rows) from the accumulator layout to the B layout: one 8x8 transpose per 8 keys.
     const uint32_t pb0 = transpose_8x8(pack_half2(pr[0], pr[1]));
     const uint32_t pb1 = transpose_8x8(pack_half2(pr[2], pr[3]));
-    // O^T += V^T P^T: dim tile t holds dims 8g' + t (rows g') and 64 + 8g' + t (rows g' + 8).
+    // O^T += V^T P^T: dim tile t holds dims (D/16) g' + t (rows g') and D/2 + (D/16) g' + t (rows g' + 8).
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
+    for (int t = 0; t < S::DIM_TILES; ++t) {
       uint32_t x[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = lut[(byte_of(t < 4 ? cur.vw[j].x : cur.vw[j].y, t % 4) << 5) | lane];
+      for (int j = 0; j < 4; ++j) x[j] = lookup(lut, lane4, cur.vw[j][t / 4], t % 4);
       mma_16816(acc[t], __byte_perm(x[0], x[1], 0x5410), __byte_perm(x[0], x[1], 0x7632),
                 __byte_perm(x[2], x[3], 0x5410), __byte_perm(x[2], x[3], 0x7632), pb0, pb1);
     }
+  };
+  // Each warp keeps its next tile's loads in flight while it computes the current one.  (Unrolling by two into
+  // alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
+  constexpr int STRIDE = WARPS * TILE_KEYS;
+  for (int tile = first_tile; tile < hi; tile += STRIDE) {
+    const TileData<D> cur = next;
+    if (tile + STRIDE < hi) load(tile + STRIDE, next);
+    process(cur, tile);
   }
 
   // Combine the warps: row sums over the 8 lanes of a row (same c), then max / rescale across warps.
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    l[e] += __shfl_xor_sync(0xffffffff, l[e], 4);
-    l[e] += __shfl_xor_sync(0xffffffff, l[e], 8);
-    l[e] += __shfl_xor_sync(0xffffffff, l[e], 16);
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 4);
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 8);
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
   }
   __syncthreads();  // the lookup table is no longer read: its space takes the warps' outputs
-  float* o_warp = reinterpret_cast<float*>(smem);  // [WARPS][MAX_ROWS][HEAD_DIM] = 16 KB
+  float* o_warp = reinterpret_cast<float*>(lut);  // [WARPS][MAX_ROWS][D]
   if (g == 0) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -261,41 +445,64 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4_d128(const D
     for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, warp_ml[(w * MAX_ROWS + r) * 2]);
     const float f = exp2f(m[e] - (mall == -INFINITY ? 0.f : mall));
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      o_warp[(warp * MAX_ROWS + r) * HEAD_DIM + 8 * g + t] = acc[t][e] * f;
-      o_warp[(warp * MAX_ROWS + r) * HEAD_DIM + 64 + 8 * g + t] = acc[t][2 + e] * f;
+    for (int t = 0; t < S::DIM_TILES; ++t) {
+      o_warp[(warp * MAX_ROWS + r) * D + (D / 16) * g + t] = acc[t][e] * f;
+      o_warp[(warp * MAX_ROWS + r) * D + D / 2 + (D / 16) * g + t] = acc[t][2 + e] * f;
     }
   }
   __syncthreads();
-  for (int i = tid; i < rows * HEAD_DIM; i += WARPS * 32) {
-    const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+  for (int i = tid; i < rows * D; i += WARPS * 32) {
+    const int r = i / D, d = i % D;
     float mall = -INFINITY;
     for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, warp_ml[(w * MAX_ROWS + r) * 2]);
     const float m_use = mall == -INFINITY ? 0.f : mall;
     float lsum = 0.f, o = 0.f;
     for (int w = 0; w < WARPS; ++w) {
       lsum += warp_ml[(w * MAX_ROWS + r) * 2 + 1] * exp2f(warp_ml[(w * MAX_ROWS + r) * 2] - m_use);
-      o += o_warp[(w * MAX_ROWS + r) * HEAD_DIM + d];
+      o += o_warp[(w * MAX_ROWS + r) * D + d];
     }
     const size_t part = ((size_t)bh * p.num_parts + split) * rows + r;
-    p.o_part[part * HEAD_DIM + d] = lsum > 0.f ? o / lsum : 0.f;
+    p.o_part[part * D + d] = lsum > 0.f ? o / lsum : 0.f;
     if (d == 0) p.lse_part[part] = lsum > 0.f ? m_use + log2f(lsum) : -INFINITY;
   }
+  if (p.counters == nullptr) return;
+  // Fused merge: count this part in (after making it visible); the last CTA of the (sequence, KV head) merges.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    is_last = atomicAdd(p.counters + bh, 1) == p.num_splits - 1;
+    if (is_last) p.counters[bh] = 0;  // ready for the next call (and the next replay of a captured graph)
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_parts<D>(p, reinterpret_cast<float*>(lut), q_rot, warp_ml);
 }
 
 }  // namespace turboattn
 
-template <int MIN_BLOCKS>
+template <int D, int MIN_BLOCKS>
 static int launch(const turboattn::DecodeParams& params, int num_splits, int batch_kv_heads, cudaStream_t stream) {
-  turboattn::decode_k4_d128<MIN_BLOCKS><<<dim3(num_splits, batch_kv_heads), turboattn::WARPS * 32,
-                                          turboattn::SMEM_BYTES, stream>>>(params);
+  turboattn::decode_k4<D, MIN_BLOCKS><<<dim3(num_splits, batch_kv_heads), turboattn::WARPS * 32, 0, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
-int launch_decode_k4_d128(const turboattn::DecodeParams& params, int num_splits, int batch_kv_heads, int min_blocks,
-                          void* stream) {
+template <int D>
+static int launch_for(const turboattn::DecodeParams& params, int num_splits, int batch_kv_heads, int min_blocks,
+                      cudaStream_t stream) {
+  switch (min_blocks) {
+    case 1: return launch<D, 1>(params, num_splits, batch_kv_heads, stream);
+    case 2: return launch<D, 2>(params, num_splits, batch_kv_heads, stream);
+    case 3: return launch<D, 3>(params, num_splits, batch_kv_heads, stream);
+    case 4: return launch<D, 4>(params, num_splits, batch_kv_heads, stream);
+    default: return launch<D, 5>(params, num_splits, batch_kv_heads, stream);
+  }
+}
+
+int launch_decode_k4(const turboattn::DecodeParams& params, int head_dim, int num_splits, int batch_kv_heads,
+                     int min_blocks, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (min_blocks >= 4) return launch<4>(params, num_splits, batch_kv_heads, s);
-  return min_blocks == 3 ? launch<3>(params, num_splits, batch_kv_heads, s)
-                         : launch<2>(params, num_splits, batch_kv_heads, s);
+  if (head_dim == 64) return launch_for<64>(params, num_splits, batch_kv_heads, min_blocks, s);
+  if (head_dim == 256) return launch_for<256>(params, num_splits, batch_kv_heads, min_blocks, s);
+  return launch_for<128>(params, num_splits, batch_kv_heads, min_blocks, s);
 }

@@ -1,10 +1,8 @@
-// Parameters of the 4-bit, head_dim 128 split-K decode kernel (decode_k4.cu); plain data, shared with the binding.
+// Parameters of the 4-bit split-K decode kernel (decode_k4.cu); plain data, shared with the binding.
 #pragma once
 #include <stdint.h>
 
 namespace turboattn {
-
-constexpr int HEAD_DIM = 128;
 
 struct DecodeParams {
   const void* q;
@@ -21,13 +19,18 @@ struct DecodeParams {
   const float* centroids; // [16]
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
+  // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges all num_parts parts (the
+  // fresh part, if any, was written before the launch), adds the sinks, rotates back and writes out.
+  int* counters;          // [B * Hkv] zeros; each merge leaves its counter at zero again
+  void* out;              // [B, Hq, Tq, D] contiguous, q's dtype
+  const float* sinks;     // [Hq] or nullptr
   float q_scale, softcap;  // softcap 0: none
   int tq, capacity, window, num_kv_heads, group, num_splits, num_parts, ring, has_fresh, chunk_align;
 };
 
 }  // namespace turboattn
 
-// Launches decode_k4_d128 on `stream` (a cudaStream_t); returns the CUDA error code (0: none).
-// min_blocks: 2 or 3 CTAs per SM (register budget 200 or 168).
-int launch_decode_k4_d128(const turboattn::DecodeParams& params, int num_splits, int batch_kv_heads, int min_blocks,
-                          void* stream);
+// Launches decode_k4<head_dim> (64, 128 or 256) on `stream` (a cudaStream_t); returns the CUDA error code (0: none).
+// min_blocks: CTAs per SM the register allocation must allow (1-5; 4 caps it at 128 registers).
+int launch_decode_k4(const turboattn::DecodeParams& params, int head_dim, int num_splits, int batch_kv_heads,
+                     int min_blocks, void* stream);
