@@ -11,17 +11,14 @@ import turboattn as ta
 from turboattn.format.key_transform import fit_key_transform
 from turboattn.ops import backend
 from turboattn.ops.cached import cuda
-from turboattn.ops.cached.cuda import _extension
 from turboattn.ops.cached.naive import cached_attention_naive
+
+from gpu_decode_inputs import decode_inputs, poison_allocator, rel_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TOL = 4 * 2.0 ** -11 + 2.0 ** -9
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 CASES = [
@@ -39,7 +36,7 @@ CASES = [
 
 
 def test_the_extension_builds():
-    assert _extension() is not None
+    assert cuda._extension() is not None
     assert backend.choose("cached_attention", "auto", torch.device("cuda")) == "cuda"
 
 
@@ -71,23 +68,17 @@ def _check_against_reference(case, d):
     rest = torch.randn(b, hkv, length - length // 3, d, device="cuda", dtype=torch.bfloat16) + 0.5
     cache.append(rest, torch.randn_like(rest))
     cache.set_left_padding(torch.arange(b) * 5)
-    q = torch.randn(b, hkv * g, tq, d, device="cuda", dtype=torch.bfloat16)
-    kf = vf = None
-    if fresh:
-        kf = torch.randn(b, hkv, tq, d, device="cuda", dtype=torch.bfloat16)
-        vf = torch.randn_like(kf)
-    sinks = torch.randn(hkv * g, device="cuda") if with_sinks else None
-    junk = torch.full((64 << 20,), float("nan"), device="cuda")  # poison what the outputs will reuse
-    del junk
+    q, kf, vf, sinks = decode_inputs(b, hkv, g, tq, d, fresh, with_sinks)
+    poison_allocator()
     assert cuda.supports(q, codec, hkv) == (tq * g <= 8)  # the cases are meant for the CUDA kernel
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks, num_splits=splits)
     assert not out.isnan().any()
     ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sinks,
                                  compute_dtype=torch.float64)
-    err = _rel(out, ref)
+    err = rel_error(out, ref)
     assert err < TOL, f"relative error {err:.3g}"
     portable = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks, num_splits=splits, backend="triton")
-    assert _rel(portable, ref) < TOL
+    assert rel_error(portable, ref) < TOL
 
 
 def test_cuda_decode_is_graph_capturable():
@@ -109,4 +100,4 @@ def test_cuda_decode_is_graph_capturable():
     # The graph's attention ran before its own append: the reference sees the cache one token shorter.
     cache.seen -= 1
     ref = cached_attention_naive(q, cache.layout, cache.codec, kn, kn, compute_dtype=torch.float64)
-    assert _rel(out, ref) < TOL
+    assert rel_error(out, ref) < TOL

@@ -7,21 +7,13 @@ import torch
 import turboattn as ta
 from turboattn.ops.cached.naive import cached_attention_naive
 
+from gpu_decode_inputs import decode_inputs, poison_allocator, rel_error
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # fp16 operands (rotated q, softmax weights, centroids): unit roundoff 2^-11, a few of them add up.
 TOL = 4 * 2.0 ** -11
-
-
-def _poison_allocator():
-    """Fill free allocator blocks with NaN so that any output element a kernel fails to write shows up."""
-    junk = torch.full((64 << 20,), float("nan"), device="cuda")
-    del junk
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 CASES = [
@@ -52,18 +44,13 @@ def test_cached_attention_matches_reference(case):
         k = torch.randn(b, hkv, chunk, d, device="cuda", dtype=torch.bfloat16)
         cache.append(k, torch.randn_like(k))
     cache.set_left_padding(torch.arange(b) * 5)
-    q = torch.randn(b, hkv * g, tq, d, device="cuda", dtype=torch.bfloat16)
-    kf = vf = None
-    if fresh:
-        kf = torch.randn(b, hkv, tq, d, device="cuda", dtype=torch.bfloat16)
-        vf = torch.randn_like(kf)
-    sinks = torch.randn(hkv * g, device="cuda") if with_sinks else None
-    _poison_allocator()
+    q, kf, vf, sinks = decode_inputs(b, hkv, g, tq, d, fresh, with_sinks)
+    poison_allocator()
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks)
     assert not out.isnan().any()
     ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
     # bf16 output rounding (2^-9) on top of the fp16 operand error.
-    err = _rel(out, ref)
+    err = rel_error(out, ref)
     assert err < TOL + 2.0 ** -9, f"relative error {err:.3g}"
 
 
@@ -133,7 +120,7 @@ def test_decode_step_replays_in_cuda_graph(fit):
         cache.seen.copy_(seen_before)
         ref = cached_attention_naive(q, cache.layout, cache.codec, k_new, v_new, compute_dtype=torch.float64)
         cache.seen.copy_(seen_before + 1)
-        assert _rel(out, ref) < TOL + 2.0 ** -9
+        assert rel_error(out, ref) < TOL + 2.0 ** -9
 
 
 @pytest.mark.parametrize("center", [True, False], ids=["centered", "gain-only+softcap+sinks"])
@@ -157,4 +144,4 @@ def test_key_transform_matches_reference(center):
     out = ta.cached_attention(q, cache, k_new, v_new, **options)
     ref = cached_attention_naive(q, cache.layout, cache.codec, k_new, v_new, compute_dtype=torch.float64, **options)
     # bf16 q / gain and transformed fresh keys add roundings of 2^-9 each.
-    assert _rel(out, ref) < TOL + 3 * 2.0 ** -9
+    assert rel_error(out, ref) < TOL + 3 * 2.0 ** -9
