@@ -1,8 +1,8 @@
 """The CUDA fast path of cached attention: 4-bit K and V at head_dim 64/128/256 on tensor cores (csrc/decode_k4.cu).
 
-One launch covers the cache splits and their merge (the last CTA of each sequence x KV head merges, adds the
-sinks, rotates back and casts); fresh k/v tokens, when given, are one more part that the Triton kernel
-writes first (triton.py).  Calls the kernel does not serve (other bit widths or head dims, more than 8 query
+One launch covers the cache splits and their merge: the last CTA of each sequence x KV head attends the
+fresh k/v tokens (when given) in full precision, merges them with the splits, adds the sinks, rotates back
+and casts.  Calls the kernel does not serve (other bit widths or head dims, more than 8 query
 rows per KV head, GPUs before sm_80) go to the Triton path.  The extension is built with nvcc on first use
 (torch.utils.cpp_extension).
 """
@@ -20,7 +20,7 @@ from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from .config import CUDA_CTAS_PER_SM, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
-from .triton import cached_attention_triton, launch_parts, part_buffers, query_scale
+from .triton import cached_attention_triton, part_buffers, query_scale
 
 CSRC = Path(__file__).with_name("csrc")
 CHUNK_ALIGN = 64     # split boundaries, in keys (a multiple of the kernel's 16-key tile)
@@ -76,22 +76,27 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     ext = _extension() if supports(q, codec, hkv) else None
     if ext is not None and plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda")
-    if ext is None or plan.num_splits + 1 > CUDA_MAX_PARTS:
+    if ext is None or plan.num_splits > CUDA_MAX_PARTS:
         return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
     dev = q.device
     if q.stride(3) != 1:
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)
-    parts = plan.num_splits + int(k is not None)
-    o_part, lse_part = part_buffers(q, hkv, parts)
-    if k is not None:  # the fresh tokens' part first: the fused merge reads it
-        launch_parts(q, layout, codec, k, v, q_scale, softcap, plan, o_part, lse_part, plan.num_splits)
+    o_part, lse_part = part_buffers(q, hkv, plan.num_splits)
+    key_shift = None
+    if k is not None:
+        # The kernel reads fresh k and v in q's dtype with one set of strides (unit stride along D).
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if k.stride() != v.stride() or k.stride(3) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        if layout.has_key_transform and layout.key_shifted:
+            key_shift = layout.key_shift
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     ext.decode_k4(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                   layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
                   device_centroids(4, dev, torch.float32), o_part, lse_part, float(q_scale), float(softcap or 0.0),
-                  layout.sliding_window or 0, plan.num_splits, parts, layout.is_ring, k is not None, CHUNK_ALIGN,
-                  CUDA_CTAS_PER_SM[d], _counters(dev, b * hkv), out, sinks)
+                  layout.sliding_window or 0, plan.num_splits, plan.num_splits, layout.is_ring, k is not None,
+                  CHUNK_ALIGN, CUDA_CTAS_PER_SM[d], _counters(dev, b * hkv), out, sinks, k, v, key_shift)
     return out

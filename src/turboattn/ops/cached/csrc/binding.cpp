@@ -12,7 +12,9 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
                const torch::Tensor& centroids, torch::Tensor& o_part, torch::Tensor& lse_part, double q_scale,
                double softcap, int64_t window, int64_t num_splits, int64_t num_parts, bool ring, bool has_fresh,
                int64_t chunk_align, int64_t min_blocks, const c10::optional<torch::Tensor>& counters,
-               const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& sinks) {
+               const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& sinks,
+               const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new,
+               const c10::optional<torch::Tensor>& key_shift) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -33,6 +35,14 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
   p.counters = counters.has_value() ? counters->data_ptr<int>() : nullptr;
   p.out = out.has_value() ? out->data_ptr() : nullptr;
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  if (k_new.has_value()) {  // v_new shares k_new's strides and dtype (q's)
+    p.k_new = k_new->data_ptr();
+    p.v_new = v_new->data_ptr();
+    p.kv_stride_b = k_new->stride(0);
+    p.kv_stride_h = k_new->stride(1);
+    p.kv_stride_t = k_new->stride(2);
+  }
+  p.key_shift = key_shift.has_value() ? key_shift->data_ptr<float>() : nullptr;
   p.q_scale = static_cast<float>(q_scale);
   p.softcap = static_cast<float>(softcap);
   p.tq = q.size(2);
@@ -43,7 +53,7 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
   p.num_splits = num_splits;
   p.num_parts = num_parts;
   p.ring = ring;
-  p.has_fresh = has_fresh;
+  p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
   const c10::cuda::CUDAGuard guard(q.device());
   const int err = launch_decode_k4(p, q.size(3), num_splits, k_codes.size(0) * k_codes.size(1), min_blocks,

@@ -62,10 +62,15 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// One element of a tensor in q's dtype (dtype 0 float16, 1 bfloat16, 2 float32) as a float.
+__device__ __forceinline__ float load_float(const void* base, int dtype, long long offset) {
+  if (dtype == 0) return __half2float(reinterpret_cast<const __half*>(base)[offset]);
+  if (dtype == 1) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[offset]);
+  return reinterpret_cast<const float*>(base)[offset];
+}
+
 __device__ __forceinline__ float load_q(const DecodeParams& p, long long offset) {
-  if (p.q_dtype == 0) return __half2float(reinterpret_cast<const __half*>(p.q)[offset]);
-  if (p.q_dtype == 1) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p.q)[offset]);
-  return reinterpret_cast<const float*>(p.q)[offset];
+  return load_float(p.q, p.q_dtype, offset);
 }
 
 // N consecutive 32-bit code words, streamed (read once: evict first).
@@ -166,20 +171,45 @@ __device__ __forceinline__ void hadamard_rows(float* x, int rows) {
   }
 }
 
-// The fused merge, run by the last CTA of a (sequence, KV head): parts by log2-sum-exp (plus the sink logit in the
-// denominator), then the rotation back x = signs * H y / sqrt(D), cast to q's dtype.  weight: shared scratch of
-// MAX_ROWS x num_parts floats; y: shared [MAX_ROWS][D].  Parts were written by other CTAs: read through L2.
+// The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
+// log2-sum-exp (plus the sink logit in the denominator), then the rotation back x = signs * H y / sqrt(D), cast to
+// q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
+// domain (rotation is orthogonal, so q . (k - shift) is the score the rotated, transformed pair would give) and
+// their weighted values join after the rotation back (it is linear).  weight: shared scratch of MAX_ROWS x
+// num_parts floats; y: shared [MAX_ROWS][D]; fresh_p: shared [MAX_ROWS][MAX_ROWS].  Parts were written by other
+// CTAs: read through L2.
 template <int D>
-__device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator) {
+__device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator,
+                                            float* fresh_p) {
   // Indices are recomputed here, so that the main loop need not keep them alive.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const int num_parts = p.num_parts;
   const size_t first = (size_t)bh * num_parts * rows;  // part q of row r: first + q * rows + r
+  const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
   for (int r = warp; r < rows; r += WARPS) {
-    const int head = kvh * p.group + r % p.group;
+    const int t = r / p.group, head = kvh * p.group + r % p.group;
     const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
     float mx = sink;
+    // Fresh scores: token j is seen by query t when j <= t and, under a window, t - j < window.
+    float fresh_s[MAX_ROWS];
+#pragma unroll
+    for (int j = 0; j < MAX_ROWS; ++j) {
+      fresh_s[j] = -INFINITY;
+      if (!p.has_fresh || j > t || (p.window > 0 && t - j >= p.window)) continue;
+      float dot = 0.f;
+      for (int d = lane; d < D; d += 32) {
+        float kd = load_float(p.k_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+        if (p.key_shift) kd -= p.key_shift[(size_t)bh * D + d];
+        dot += load_q(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t + d) * kd;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      float x = dot * p.q_scale;
+      if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
+      fresh_s[j] = x;
+      mx = fmaxf(mx, x);
+    }
     for (int q = lane; q < num_parts; q += 32) mx = fmaxf(mx, __ldcg(p.lse_part + first + (size_t)q * rows + r));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -192,7 +222,14 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) denominator[r] = sum + exp2f(sink - m_use);
+    float fresh_sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MAX_ROWS; ++j) {
+      const float w = exp2f(fresh_s[j] - m_use);
+      fresh_sum += w;
+      if (lane == j) fresh_p[r * MAX_ROWS + j] = w;
+    }
+    if (lane == 0) denominator[r] = sum + fresh_sum + exp2f(sink - m_use);
   }
   __syncthreads();
   // Each thread owns float4s of the output and keeps BATCH parts' loads in flight: this merge sits on the
@@ -225,7 +262,13 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     const int r = i / D, d = i % D;
     const int t = r / p.group, head = kvh * p.group + r % p.group;
     const size_t at = (((size_t)b * hq + head) * p.tq + t) * D + d;
-    const float x = y[i] * p.signs[d] * norm;
+    float x = y[i] * p.signs[d] * norm;
+    if (p.has_fresh && denominator[r] > 0.f) {
+      float fresh = 0.f;
+      for (int j = 0; j <= t; ++j)
+        fresh += fresh_p[r * MAX_ROWS + j] * load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+      x += fresh / denominator[r];
+    }
     if (p.q_dtype == 0) reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(x);
     else if (p.q_dtype == 1) reinterpret_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(x);
     else reinterpret_cast<float*>(p.out)[at] = x;
@@ -242,6 +285,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
   __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
+  __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
   __shared__ int is_last;
   static_assert(WARPS * MAX_ROWS * D * 4 <= LUT_WORDS * 4, "the warps' outputs must fit in the table's space");
 
@@ -476,7 +520,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_parts<D>(p, reinterpret_cast<float*>(lut), q_rot, warp_ml);
+  merge_parts<D>(p, reinterpret_cast<float*>(lut), q_rot, warp_ml, fresh_p);
 }
 
 }  // namespace turboattn

@@ -19,11 +19,17 @@ struct DecodeParams {
   const float* centroids; // [16]
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
-  // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges all num_parts parts (the
-  // fresh part, if any, was written before the launch), adds the sinks, rotates back and writes out.
+  // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges the num_parts cache parts
+  // with the fresh tokens (if any), adds the sinks, rotates back and writes out.
   int* counters;          // [B * Hkv] zeros; each merge leaves its counter at zero again
   void* out;              // [B, Hq, Tq, D] contiguous, q's dtype
   const float* sinks;     // [Hq] or nullptr
+  // Fresh tokens (has_fresh): k, v [B, Hkv, Tq, D] in q's dtype, sharing strides, attended in full precision by the
+  // merging CTA in the model's domain (no rotation: scores are q . (k - key_shift), as the cached part's are).
+  const void* k_new;
+  const void* v_new;
+  long long kv_stride_b, kv_stride_h, kv_stride_t;
+  const float* key_shift;  // [B, Hkv, D] or nullptr
   float q_scale, softcap;  // softcap 0: none
   int tq, capacity, window, num_kv_heads, group, num_splits, num_parts, ring, has_fresh, chunk_align;
 };
