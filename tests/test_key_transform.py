@@ -58,6 +58,23 @@ def test_fit_ignores_padding_and_short_sequences(gen):
     assert torch.equal(shift[1], torch.zeros_like(shift[1])) and torch.equal(gain[1], torch.ones_like(gain[1]))
 
 
+def test_float32_fit_of_a_long_prompt_matches_float64(gen):
+    """The fit runs in float32 (what a GPU prefill feeds it): over a long prompt with a large common key offset,
+    its shift and gain agree with a float64 fit to within a tree reduction's error, c * log2(T) * eps32 with
+    c = 4 (each reduction, the mean subtraction, the square and the quarter power add rounding)."""
+    b, hkv, g, t, d = 1, 1, 2, 16384, 64
+    q = torch.randn(b, hkv * g, t, d, generator=gen) * torch.linspace(0.5, 2.0, d)
+    k = _offset_keys(gen, b, hkv, t, d) + 40.0   # an offset ten times the spread: cancellation would show
+    tol = 4 * torch.finfo(torch.float32).eps * (t.bit_length())
+    shift32, gain32 = fit_key_transform(q, k)
+    shift64, gain64 = fit_key_transform(q.double(), k.double())
+    torch.testing.assert_close(shift32.double(), shift64.double(), rtol=tol, atol=0)
+    torch.testing.assert_close(gain32.double(), gain64.double(), rtol=tol, atol=0)
+    # center only: no query pass, gain exactly 1
+    shift_c, gain_c = fit_key_transform(q, k, balance=False)
+    assert torch.equal(gain_c, torch.ones_like(gain_c)) and torch.equal(shift_c, shift32)
+
+
 def test_fit_without_center_and_with_dead_channels(gen):
     d = 64
     q, k = torch.randn(1, 1, 32, d, generator=gen), _offset_keys(gen, 1, 1, 32, d)

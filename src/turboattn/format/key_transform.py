@@ -57,24 +57,38 @@ def fit_key_transform(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | No
     hkv = k.shape[1]
     if k.shape[0] != b or k.shape[2] != t or k.shape[3] != d or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
-    if valid is None:
-        valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
-    if valid.shape != (b, t):
+    if valid is not None and valid.shape != (b, t):
         raise ValueError(f"valid must be [B={b}, T={t}], got {tuple(valid.shape)}")
-    w = valid.to(torch.float64)[:, None, :, None]                       # [B, 1, T, 1]
-    n = w.sum(dim=2, keepdim=True)                                      # [B, 1, 1, 1]
-    kd = k.to(torch.float64)
-    shift = (kd * w).sum(dim=2, keepdim=True) / n.clamp_min(1) if center else torch.zeros_like(kd[:, :, :1])
-    var_k = ((kd - shift).pow(2) * w).sum(dim=2) / n[:, :, 0].clamp_min(1)           # [B, Hkv, D]
-    qd = q.to(torch.float64).reshape(b, hkv, hq // hkv * t, d)
-    wq = w.repeat(1, 1, hq // hkv, 1)
-    q_energy = (qd.pow(2) * wq).sum(dim=2) / (n[:, :, 0] * (hq // hkv)).clamp_min(1)
-    var_k = var_k.clamp_min(_VARIANCE_FLOOR * var_k.mean(dim=-1, keepdim=True))
-    q_energy = q_energy.clamp_min(_VARIANCE_FLOOR * q_energy.mean(dim=-1, keepdim=True))
-    gain = (q_energy / var_k).pow(0.25)
-    gain = gain / gain.log().mean(dim=-1, keepdim=True).exp()           # geometric mean 1: magnitudes stay put
-    if not balance:
-        gain = torch.ones_like(gain)
+    # float32 (float64 inputs stay float64): the sums below are tree reductions, so their relative error grows
+    # with log T, not T; the variance is taken about the mean (two passes), which keeps a large common offset
+    # (QK-norm keys) from cancelling it away.  Unweighted sums when nothing is padded, and the query pass only
+    # when the gain is wanted: the fit stays a small fraction of the prefill (BENCHMARKS.md).
+    work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    if valid is None:
+        n = torch.full((b, 1, 1, 1), float(t), dtype=work, device=k.device)
+        w = None
+    else:
+        w = valid.to(work)[:, None, :, None]                            # [B, 1, T, 1]
+        n = w.sum(dim=2, keepdim=True)                                  # [B, 1, 1, 1]
+
+    def masked_sum(x):  # sum over tokens, padding excluded
+        return (x if w is None else x * w).sum(dim=2, keepdim=True)
+
+    kd = k.to(work)
+    shift = masked_sum(kd) / n.clamp_min(1) if center else torch.zeros_like(kd[:, :, :1])
+    if balance:
+        var_k = masked_sum((kd - shift).pow_(2))[:, :, 0] / n[:, :, 0].clamp_min(1)   # [B, Hkv, D]
+        group = hq // hkv
+        qd = q.to(work).reshape(b, hkv, group * t, d)
+        wq = None if w is None else w.repeat(1, 1, group, 1)
+        q_sq = qd.pow(2)
+        q_energy = (q_sq if wq is None else q_sq * wq).sum(dim=2) / (n[:, :, 0] * group).clamp_min(1)
+        var_k = var_k.clamp_min(_VARIANCE_FLOOR * var_k.mean(dim=-1, keepdim=True))
+        q_energy = q_energy.clamp_min(_VARIANCE_FLOOR * q_energy.mean(dim=-1, keepdim=True))
+        gain = (q_energy / var_k).pow(0.25)
+        gain = gain / gain.log().mean(dim=-1, keepdim=True).exp()       # geometric mean 1: magnitudes stay put
+    else:
+        gain = torch.ones(b, hkv, d, dtype=work, device=k.device)
     shift = shift[:, :, 0]
     usable = (n[:, 0, 0, 0] >= MIN_FIT_TOKENS)[:, None, None] & torch.isfinite(gain) & (gain > 0)
     usable = usable & torch.isfinite(shift)
