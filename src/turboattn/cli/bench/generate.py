@@ -1,10 +1,19 @@
-"""`turboattn bench generate`: end-to-end `model.generate` ms per new token, turboattn vs transformers' bf16 path.
+"""`turboattn bench generate`: end-to-end decode speed, ms per new token, turboattn vs transformers' bf16 paths.
 
-A random-weight model of the Llama-3-8B shape (hidden 4096, 32 q / 8 KV heads, head_dim 128; `--layers`
-of them) is built on the GPU in bf16.  A prompt of `--context` random tokens is prefilled, then greedy
-decoding runs `--new-tokens` steps.  ms/token = (time of prefill + N steps - time of prefill + 1 step) / (N - 1),
-each the median of `--repeats` runs, so the prompt's cost cancels.  Paths: transformers' default (SDPA
-attention, DynamicCache, bf16) and TurboQuantCache (k4v4, attn_implementation="turboattn").
+Models are built from config with random weights in bf16 (nothing downloaded): `8b` is the Llama-3-8B shape
+(hidden 4096, 32 q / 8 KV heads, head_dim 128, 32 layers), `1b` the Llama-3.2-1B shape (hidden 2048, 32 q / 8 KV
+heads, head_dim 64, 16 layers).  For every batch x context of `--grid` a prompt of random tokens is prefilled and
+greedy decoding is timed on each path:
+
+- `bf16`: transformers' default (SDPA attention, DynamicCache), `model.generate`;
+- `bf16-compiled`: `generate(cache_implementation="static")`, which transformers compiles (reduce-overhead);
+- `turboattn`: TurboQuantCache k4v4, growing storage, eager;
+- `turboattn-compiled`: TurboQuantCache(max_cache_len=...), which is compileable, so `generate` compiles it;
+- `bf16-loop`, `turboattn-loop`: a hand-written greedy loop passing `cache_position` (no generate overhead).
+
+generate paths: ms/token = (time of prefill + N steps - time of prefill + 1 step) / (N - 1), medians of
+`--repeats`, so the prompt's cost cancels.  Loop paths time N steps after the prefill directly.  A path that
+runs out of memory is reported as such (a bf16 cache that does not fit where the compressed one does).
 """
 
 from __future__ import annotations
@@ -17,21 +26,73 @@ import torch
 from .args import add_out, positive_int
 from .common import environment, print_table, require_cuda, write_results
 
+MODEL_SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+               num_hidden_layers=32, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+               num_hidden_layers=16, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True),
+}
+PATHS = ("bf16", "bf16-compiled", "turboattn", "turboattn-compiled", "bf16-loop", "turboattn-loop")
+
+
+def _grid(text: str) -> list[tuple[int, int]]:
+    """"1x32768,8x16384" -> [(1, 32768), (8, 16384)]."""
+    import argparse
+    out = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        try:
+            b, l = (int(p) for p in parts)
+        except ValueError:
+            b = l = 0
+        if b < 1 or l < 1:
+            raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT items (e.g. 1x32768,8x16384), got {item!r}")
+        out.append((b, l))
+    return out
+
+
+def _paths(text: str) -> list[str]:
+    import argparse
+    out = [p.strip() for p in text.split(",")]
+    bad = [p for p in out if p not in PATHS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {bad}; choose from {', '.join(PATHS)}")
+    return out
+
+
+def _bits(text: str) -> tuple[int, int]:
+    import argparse
+
+    from ...format.codec import check_coding_options
+    try:
+        k_bits, v_bits = (int(x) for x in text.split(","))
+        check_coding_options(k_bits, v_bits, "corrected")
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"expected K,V bits (e.g. 4,4), got {text!r}: {e}") from None
+    return k_bits, v_bits
+
 
 def add_arguments(parser) -> None:
     add_out(parser)
-    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per batch (default 1)")
-    parser.add_argument("--context", type=positive_int, default=32768, help="prompt tokens (default 32768)")
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="8b",
+                        help="model shape, random weights (default 8b: Llama-3-8B; 1b: Llama-3.2-1B)")
+    parser.add_argument("--grid", type=_grid, default=_grid("1x32768"),
+                        help="comma list of BATCHxCONTEXT (default 1x32768)")
+    parser.add_argument("--paths", type=_paths, default=list(PATHS),
+                        help=f"comma list of paths to time (default all: {','.join(PATHS)})")
     parser.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed (default 32)")
-    parser.add_argument("--layers", type=positive_int, default=32, help="decoder layers (default 32, as Llama-3-8B)")
-    parser.add_argument("--repeats", type=positive_int, default=2, help="runs per measurement (median)")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="decoder layers (default: the model shape's)")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs per generate measurement (median)")
+    parser.add_argument("--bits", type=_bits, default=(4, 4), help="K,V bits of the turboattn cache (default 4,4)")
 
 
-def _model(layers: int):
+def _model(shape: str, layers: int | None):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                         num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=131072,
-                         rope_theta=500000.0)
+    fields = dict(MODEL_SHAPES[shape])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=131072, **fields)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -53,33 +114,140 @@ def _seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _bf16_cache_bytes(config, batch: int, tokens: int) -> int:
+    c = config
+    return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * tokens * c.head_dim * 2
+
+
+def _time_generate(model, ids, new_tokens: int, repeats: int, make_cache, **kwargs) -> tuple[float, object]:
+    """ms per token from generate(N) - generate(1); returns (ms, the last cache made)."""
+    made = {}
+
+    def generate(steps):
+        cache = make_cache()
+        made["cache"] = cache
+        model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       **kwargs)
+    generate(3)  # warm-up: kernels compiled, graphs captured, the CUDA extension built
+    generate(3)
+    short = _seconds(lambda: generate(1), repeats)
+    long = _seconds(lambda: generate(new_tokens), repeats)
+    return 1e3 * (long - short) / (new_tokens - 1), made["cache"]
+
+
+def _time_loop(model, ids, new_tokens: int, cache) -> float:
+    """ms per token of a greedy loop that passes cache_position (what a lean serving loop does)."""
+    b, t = ids.shape
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    position = torch.tensor([t], device=ids.device)
+
+    def step():
+        nonlocal token, position
+        logits = model(token, past_key_values=cache, cache_position=position, use_cache=True).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        position = position + 1
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        step()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / new_tokens
+
+
+def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
+    from transformers import DynamicCache
+
+    from ...hf import TurboQuantCache
+    config = model.config
+    b, context = ids.shape
+    tokens = context + args.new_tokens + 4
+    model.config._attn_implementation = "turboattn" if path.startswith("turboattn") else "sdpa"
+    kv_bytes = None
+    if path == "bf16":
+        ms, _ = _time_generate(model, ids, args.new_tokens, args.repeats, lambda: None)
+        kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens)
+    elif path == "bf16-compiled":
+        ms, _ = _time_generate(model, ids, args.new_tokens, args.repeats, lambda: None,
+                               cache_implementation="static")
+        kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens)
+    elif path == "turboattn":
+        ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
+                                   lambda: TurboQuantCache(config, k_bits, v_bits), disable_compile=True)
+        kv_bytes = cache.nbytes
+    elif path == "turboattn-compiled":
+        ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
+                                   lambda: TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens))
+        kv_bytes = cache.nbytes
+    elif path == "bf16-loop":
+        ms = _time_loop(model, ids, args.new_tokens, DynamicCache(config=config))
+        kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens + 2)
+    else:
+        cache = TurboQuantCache(config, k_bits, v_bits)
+        ms = _time_loop(model, ids, args.new_tokens, cache)
+        kv_bytes = cache.nbytes
+    return {"ms_per_token": ms, "kv_cache_gib": kv_bytes / 2**30}
+
+
 @torch.no_grad()
 def run(args) -> int:
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be at least 2 (the first step is subtracted), got {args.new_tokens}")
+    k_bits, v_bits = args.bits
     require_cuda()
-    from ...hf import TurboQuantCache
-    model = _model(args.layers)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device="cuda")
-    paths = {"transformers bf16 (sdpa, DynamicCache)": ("sdpa", lambda: None),
-             "turboattn k4v4 (TurboQuantCache)": ("turboattn", lambda: TurboQuantCache(model.config, 4, 4))}
+    model = _model(args.model, args.layers)
     results = []
-    for name, (attn, make_cache) in paths.items():
-        model.config._attn_implementation = attn  # read by every attention module and mask at forward time
-
-        def generate(steps, make_cache=make_cache):
-            model.generate(ids, past_key_values=make_cache(), max_new_tokens=steps, min_new_tokens=steps,
-                           do_sample=False)
-        generate(2)  # warm-up: kernels compiled, the CUDA extension built
-        short = _seconds(lambda: generate(1), args.repeats)
-        long = _seconds(lambda: generate(args.new_tokens), args.repeats)
-        ms = 1e3 * (long - short) / (args.new_tokens - 1)
-        results.append({"path": name, "ms_per_token": ms, "prefill_s": short})
-        torch.cuda.empty_cache()
+    for batch, context in args.grid:
+        ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
+        for path in args.paths:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            row = {"model": args.model, "batch": batch, "context": context, "path": path}
+            try:
+                row.update(_run_path(path, model, ids, args, k_bits, v_bits))
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            except torch.cuda.OutOfMemoryError:
+                row.update(ms_per_token=None, kv_cache_gib=None, peak_gib=None, error="out of memory")
+            results.append(row)
+            print(row, flush=True)
     env = environment()
-    print_table(f"generate, Llama-3-8B shape x {args.layers} layers, B={args.batch}, context {args.context}, "
-                f"{env['gpu']}", ["path", "ms / new token", "prefill + 1 token s"],
-                [[r["path"], r["ms_per_token"], r["prefill_s"]] for r in results])
-    write_results(args.out, "generate", {"env": env, "args": {k: v for k, v in vars(args).items() if k != "func"},
-                                         "results": results})
+    rows = [[r["batch"], r["context"], r["path"], "OOM" if r["ms_per_token"] is None else r["ms_per_token"],
+             "-" if r["kv_cache_gib"] is None else r["kv_cache_gib"], "-" if r["peak_gib"] is None else r["peak_gib"]]
+            for r in results]
+    print_table(f"generate, {args.model} shape, {env['gpu']}, k{k_bits}v{v_bits}",
+                ["B", "context", "path", "ms / new token", "KV cache GiB", "peak GiB"], rows)
+    payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
+    write_results(args.out, f"generate_{args.model}", payload)
+    _plot(args.out, f"generate_{args.model}", results, f"{args.model} shape, {env['gpu']}")
     return 0
+
+
+def _plot(out_dir: str, name: str, results: list[dict], title: str) -> None:
+    """Grouped bars: ms/token per path, one group per batch x context."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = sorted({(r["batch"], r["context"]) for r in results})
+    paths = list(dict.fromkeys(r["path"] for r in results))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(len(paths), 1)
+    for i, path in enumerate(paths):
+        ys = []
+        for shape in shapes:
+            ms = next((r["ms_per_token"] for r in results if (r["batch"], r["context"]) == shape
+                       and r["path"] == path), None)
+            ys.append(ms or 0.0)
+        ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=path)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([f"B={b} L={l}" for b, l in shapes])
+    ax.set_ylabel("ms per new token (0: out of memory)")
+    ax.set_title(f"generate: {title}")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
+    plt.close(fig)
