@@ -206,7 +206,7 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
     k_cb, k_bounds, k_grid = cell_tables(codec.k_bits, dev)
     v_cb, v_bounds, v_grid = cell_tables(codec.v_bits, dev)
-    plan = plan_quantize(d)
+    plan = plan_quantize(d, t)
     grid = (triton.cdiv(t, plan.block_t), b * hkv, 2)
     _quantize_append_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
