@@ -324,6 +324,21 @@ class QuantizedKVCache:
             self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
         self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
 
+    # -- persistence (persist.py: a safetensors file, no pickle) ----------------------
+    def save(self, path) -> None:
+        """Write this cache to a safetensors file; `QuantizedKVCache.load(path)` gives it back bit for bit."""
+        from .persist import save_cache  # persist.py builds caches of this class: imported on use
+
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, device=None) -> QuantizedKVCache:
+        """The cache `save` wrote to `path`, on `device` (default: the CPU); ValueError on a version or
+        shape mismatch."""
+        from .persist import load_cache
+
+        return load_cache(path, device)
+
     # -- reads (reference path) ------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot as K, V [B, Hkv, N, D] (pair with slot_positions()); for tests and the reference."""
