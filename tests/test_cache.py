@@ -138,7 +138,8 @@ def test_repr_names_the_format():
 
 # -- crop, batch selection, reset --------------------------------------------------------------
 
-STATE = ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv")
+STATE = ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv",
+         "nonfinite")
 
 
 def filled(codec, k, v, lengths, window=None, capacity=None, shift=None, gain=None, pad=None, chunks=(None,)):

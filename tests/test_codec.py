@@ -375,3 +375,79 @@ def test_integral_types_other_than_int_are_accepted(gen):
     assert codec.code_bytes("k") == 64 and codec.bytes_per_token() == ta.KVCodec(128).bytes_per_token()
     x = torch.randn(3, 128, generator=gen)
     assert torch.equal(codec.quantize(x).codes, ta.KVCodec(128).quantize(x).codes)
+
+
+# -- non-finite inputs and extreme magnitudes --------------------------------------------------------
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_nonfinite_vector_is_stored_as_nan(d, dtype, value, gen):
+    """One NaN or infinity anywhere: codes 0 and NaN scales in every block, so the whole vector decodes
+    to NaN (never to something finite); the other vectors are coded as if it were not there."""
+    codec = ta.KVCodec(d, 4, 3)
+    x = torch.randn(4, d, generator=gen).to(dtype)
+    x[1, int(torch.randint(d, (1,), generator=gen))] = value
+    for kind in ("k", "v"):
+        pk = codec.quantize(x, kind)
+        assert bool(pk.scales[1].isnan().all()) and bool((pk.codes[1] == 0).all())
+        rest = codec.quantize(x[[0, 2, 3]], kind)
+        assert torch.equal(pk.codes[[0, 2, 3]], rest.codes) and torch.equal(pk.scales[[0, 2, 3]], rest.scales)
+        x_hat = codec.dequantize(pk, kind, dtype)
+        assert bool(x_hat[1].isnan().all()) and bool(torch.isfinite(x_hat[[0, 2, 3]]).all())
+
+
+# (dtype, power-of-two exponents e): x * 2^e is exactly representable for x = k/16, |k| < 128, and
+# stays a normal float32 inside the codec except where noted.
+POW2_CASES = [(torch.float16, (-10, 12)),              # -10: float16 subnormal inputs
+              (torch.bfloat16, (-120, 100, 120)),
+              (torch.float32, (-140, -120, 100, 120))]  # -140: float32 subnormal inputs and scales
+
+
+@pytest.mark.parametrize("rule", SCALE_RULES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("dtype,exponents", POW2_CASES, ids=["float16", "bfloat16", "float32"])
+def test_magnitude_does_not_change_the_coding(rule, d, dtype, exponents, gen):
+    """x and x * 2^e get the same codes, scales * 2^e and decoded values * 2^e, exactly: the codec
+    works on the vector scaled to unit size, so 1e30 or 1e-30 neither overflow nor underflow its norms.
+    Where the scales are float32 subnormals (e = -140) they carry one rounding (half a unit of 2^-149)."""
+    codec = ta.KVCodec(d, 4, 3, scale_rule=rule)
+    x = (torch.randn(16, d, generator=gen) * 16).round().clamp(-127, 127) / 16
+    x[3] = 0  # a zero vector stays exact
+    base = {kind: codec.quantize(x.to(dtype), kind) for kind in ("k", "v")}
+    for e in exponents:
+        scaled = (x.double() * 2.0**e).to(dtype)
+        assert torch.equal(scaled.double(), x.double() * 2.0**e)  # the inputs are exact
+        for kind, want in base.items():
+            got = codec.quantize(scaled, kind)
+            assert torch.equal(got.codes, want.codes)
+            want_scales = want.scales.double() * 2.0**e
+            if e >= -120:
+                assert torch.equal(got.scales.double(), want_scales)
+                x_hat = codec.dequantize(got, kind, torch.float64)
+                assert torch.equal(x_hat, codec.dequantize(want, kind, torch.float64) * 2.0**e)
+            else:
+                assert float((got.scales.double() - want_scales).abs().max()) <= 2.0**-150
+            assert torch.equal(got.scales[3], torch.zeros_like(got.scales[3]))
+
+
+# Rows scaled to a largest |x| of `peak`, then rounded to the dtype: the dtype's extremes.
+EXTREMES = [(torch.float32, 1e30), (torch.float32, 1e-30), (torch.float32, 1e38), (torch.float32, 1e-40),
+            (torch.bfloat16, 1e38), (torch.bfloat16, 1e-38), (torch.float16, 65504.0), (torch.float16, 6e-5)]
+
+
+@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("dtype,peak", EXTREMES, ids=lambda p: str(p).replace("torch.", ""))
+def test_extreme_magnitudes_round_trip_with_the_codec_error(d, dtype, peak, gen):
+    """Relative MSE within the bound of test_other_rules_round_trip_mse (1.05x the codebook's), at the
+    edges of each input dtype: float32 1e30 and 1e-30, near its maximum, subnormal; bfloat16 near its
+    maximum and minimum normal; float16 at 65504 and subnormal.  Decoded to float32 (float16's top
+    values plus coding error need not fit float16)."""
+    codec = ta.KVCodec(d, 4, 4)
+    x = torch.randn(COORDS // d, d, generator=gen)
+    x = (x.double() / x.double().abs().amax(-1, keepdim=True) * peak).to(dtype)
+    assert bool(torch.isfinite(x).all()) and bool((x.double().abs().amax(-1) > 0).all())
+    x_hat = codec.dequantize(codec.quantize(x, "k"), "k", torch.float32)
+    assert bool(torch.isfinite(x_hat).all())
+    measured, se = relative_mse(x, x_hat)
+    assert measured <= 1.05 * codebook.expected_mse(4), (measured, se)

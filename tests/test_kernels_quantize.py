@@ -126,3 +126,28 @@ def test_quantize_append_applies_the_key_transform(gen, d):
         ref.append(k, v, backend="torch")
         inputs.append((ref.stored_keys(k), v))
     _assert_same(fused, ref, inputs)
+
+
+@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("dtype,exponents", [(torch.float16, (-10, 12)), (torch.bfloat16, (-120, 120)),
+                                             (torch.float32, (-140, -120, 100, 120))],
+                         ids=["float16", "bfloat16", "float32"])
+def test_quantize_append_is_magnitude_invariant(d, dtype, exponents, gen):
+    """Like the codec (test_codec.test_magnitude_does_not_change_the_coding): x * 2^e, exactly
+    representable, gets x's codes and scales * 2^e (one subnormal rounding at e = -140), so 1e30 and
+    1e-30 neither overflow nor underflow the kernel's norms; and the kernel agrees with the reference."""
+    codec = ta.KVCodec(d, 4, 3)
+    x = (torch.randn(2, 2, 2, 5, d, generator=gen) * 16).round().clamp(-127, 127) / 16
+    x[0, 1, 0, 2] = 0
+    base = ta.QuantizedKVCache(codec, 2, 2, capacity=5)
+    base.append(x[0].to(dtype), x[1].to(dtype), backend="triton")
+    for e in exponents:
+        k, v = (t.double() * 2.0**e for t in x)
+        fused, ref = _pair(codec, 2, 2, capacity=5)
+        fused.append(k.to(dtype), v.to(dtype), backend="triton")
+        ref.append(k.to(dtype), v.to(dtype), backend="torch")
+        _assert_same(fused, ref, [(k, v)])
+        for kind in ("k", "v"):
+            assert torch.equal(getattr(fused, f"{kind}_codes"), getattr(base, f"{kind}_codes"))
+            got, want = getattr(fused, f"{kind}_scales").double(), getattr(base, f"{kind}_scales").double() * 2.0**e
+            assert torch.equal(got, want) if e >= -120 else float((got - want).abs().max()) <= 2.0**-150

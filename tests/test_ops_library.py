@@ -54,7 +54,8 @@ def test_opcheck_quantize_append(impl, gen):
     for new_lengths in (None, lengths):
         torch.library.opcheck(torch.ops.turboattn.quantize_append.default,
                               (k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
-                               layout.starts, new_lengths, None, None, None, 4, 3, "corrected", impl))
+                               layout.starts, new_lengths, None, None, None, 4, 3, "corrected", cache.nonfinite,
+                               impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

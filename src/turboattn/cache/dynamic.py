@@ -8,6 +8,10 @@ never the cache itself.
 An optional key transform (key_transform.py: shift and gain [B, Hkv, D]) is
 set while the cache is empty; keys are then stored as (k - shift) * gain, and
 `dequantize` undoes it, so every reader sees keys in the model's domain.
+
+A K or V vector holding a NaN or infinity is stored as NaN (codec.quantize), so it reaches the
+outputs of exactly the queries that see it; `nonfinite` counts such vectors per sequence on the
+device, and `received_nonfinite()` reads it (the only host sync).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class QuantizedKVCache:
         self.v_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
         self.seen = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self.starts = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        # Vectors stored with a NaN or infinity, per sequence: counted by the quantize kernel, so that
+        # checking costs nothing until someone asks (received_nonfinite).
+        self.nonfinite = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self._seen_host = [0] * batch_size
         self.key_shift: torch.Tensor | None = None
         self.key_gain: torch.Tensor | None = None
@@ -70,7 +77,8 @@ class QuantizedKVCache:
     def layout(self) -> CacheLayout:
         """The tensors as the ops take them (a view: writes through it land in this cache)."""
         return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
-                           self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted)
+                           self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted,
+                           self.nonfinite)
 
     @property
     def is_ring(self) -> bool:
@@ -105,9 +113,19 @@ class QuantizedKVCache:
             t.zero_()
         self.seen.zero_()
         self.starts.zero_()
+        self.nonfinite.zero_()
         self._seen_host = [0] * self.batch_size
         self.key_shift = self.key_gain = self.key_gain_inv = None
         self._key_shifted = False
+
+    def received_nonfinite(self) -> bool:
+        """Whether any K/V vector appended since creation (or reset) held a NaN or infinity.
+
+        Reads the device counter `nonfinite` [B] (int32, vectors per sequence), so it waits for the
+        device: call it when the answer is wanted, not every step.  Crop and batch edits keep the
+        counts of the sequences that stay.
+        """
+        return bool(self.nonfinite.any())
 
     @property
     def has_key_shift(self) -> bool:
@@ -211,7 +229,7 @@ class QuantizedKVCache:
         """Keep the sequences `indices` (1-D ints in [0, B), repeats allowed), in that order; B becomes len(indices)."""
         idx = self._batch_indices(indices, "indices")
         idx_dev = torch.tensor(idx, dtype=torch.int64, device=self.device)
-        for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts",
+        for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite",
                      "key_shift", "key_gain", "key_gain_inv"):
             t = getattr(self, name)
             if t is not None:
@@ -283,7 +301,8 @@ class QuantizedKVCache:
         `new_lengths[b]` (default T) says how many of the T tokens are real for
         sequence b; the rest (right padding of the chunk) are not stored.  A
         ring cache keeps the last W tokens; a contiguous cache raises
-        ValueError instead of overflowing.
+        ValueError instead of overflowing.  A vector with a NaN or infinity is
+        stored as NaN and counted in `nonfinite` (no error: checking would sync).
         """
         check_backend(backend)
         self.check_kv(k, v, "append")
@@ -298,12 +317,27 @@ class QuantizedKVCache:
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
         run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
             self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
-            self.codec.v_bits, self.codec.scale_rule, impl)
+            self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
         else:
             self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
         self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
+
+    # -- persistence (persist.py: a safetensors file, no pickle) ----------------------
+    def save(self, path) -> None:
+        """Write this cache to a safetensors file; `QuantizedKVCache.load(path)` gives it back bit for bit."""
+        from .persist import save_cache  # persist.py builds caches of this class: imported on use
+
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, device=None) -> QuantizedKVCache:
+        """The cache `save` wrote to `path`, on `device` (default: the CPU); ValueError on a version or
+        shape mismatch."""
+        from .persist import load_cache
+
+        return load_cache(path, device)
 
     # -- reads (reference path) ------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

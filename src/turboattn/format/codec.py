@@ -18,6 +18,11 @@ import torch
 
 from . import codebook, rotation
 
+# Version of the stored format (rotation signs, codebooks, norm blocks, scale rules, packing, the
+# meaning of a NaN scale): saved caches carry it, and loading refuses another.  Bump it with any
+# change that alters what stored codes and scales mean.
+FORMAT_VERSION = 1
+
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SCALE_RULES = ("rms", "corrected", "lsq")
 NORM_BLOCK = 256
@@ -61,6 +66,38 @@ class Packed:
 
     codes: torch.Tensor
     scales: torch.Tensor
+
+
+# Exact power-of-two scaling.  A vector is coded as x * 2^-e with e its largest magnitude's
+# exponent, and its scales are multiplied by 2^e afterwards: both are exact in float arithmetic, so
+# codes and scales are those of a vector of ordinary size, and norms cannot overflow (1e30) or
+# underflow (1e-30, subnormals).  The quantize kernel does the same, in the same order.
+_FLOAT_BITS = {torch.float32: (23, 127, torch.int32), torch.float64: (52, 1023, torch.int64)}
+
+
+def pow2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**n as `dtype` (float32/float64), built from its bits; n must lie in the normal range (|n| < 126)."""
+    mantissa_bits, bias, int_dtype = _FLOAT_BITS[dtype]
+    return ((n.to(int_dtype) + bias) << mantissa_bits).view(dtype)
+
+
+def times_pow2(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """x * 2**n (n int [...] broadcast over x's last dim), exact unless the result over- or underflows.
+
+    Two factors 2**(n//2) and 2**(n - n//2), so that each stays a normal float; n beyond twice the
+    exponent range is clamped (the result over- or underflows either way).
+    """
+    limit = 2 * (_FLOAT_BITS[x.dtype][1] - 1)
+    n = n.clamp(-limit, limit)
+    half = torch.div(n, 2, rounding_mode="floor")
+    return x * pow2(half, x.dtype)[..., None] * pow2(n - half, x.dtype)[..., None]
+
+
+def magnitude_exponent(x: torch.Tensor) -> torch.Tensor:
+    """e [...] with max|x| over the last dim in [2^(e-1), 2^e) (frexp's exponent); 0 for zero rows.
+    Non-finite entries are ignored."""
+    amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=-1)
+    return torch.frexp(amax).exponent.to(torch.int32)
 
 
 def cell_index(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -213,11 +250,21 @@ class KVCodec:
 
     # -- public coding ----------------------------------------------------
     def quantize(self, x: torch.Tensor, kind: Kind = "k") -> Packed:
-        """x [..., D] float -> Packed(codes [..., D*bits/8] uint8, scales [..., nb] float32)."""
+        """x [..., D] float -> Packed(codes [..., D*bits/8] uint8, scales [..., nb] float32).
+
+        Any finite x is coded at its own scale (see times_pow2).  A vector holding a NaN or an
+        infinity is stored as codes 0 and NaN scales, so it decodes to NaN: never to a finite value.
+        """
         self._check_input(x)
         self.bits(kind)  # validates kind before any work
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        idx, scales = self.quantize_rotated(rotation.rotate(x.to(work)), kind)
+        x = x.to(work)
+        finite = torch.isfinite(x).all(dim=-1)
+        e = magnitude_exponent(x)
+        x = times_pow2(torch.where(finite[..., None], x, torch.zeros_like(x)), -e)
+        idx, scales = self.quantize_rotated(rotation.rotate(x), kind)
+        idx = torch.where(finite[..., None], idx, torch.zeros_like(idx))
+        scales = torch.where(finite[..., None], times_pow2(scales, e), torch.full_like(scales, float("nan")))
         return Packed(pack_codes(idx, self.bits(kind)), scales)
 
     def unpack(self, packed: Packed, kind: Kind) -> torch.Tensor:
@@ -235,7 +282,13 @@ class KVCodec:
                              f"got {tuple(packed.scales.shape)}")
 
     def dequantize(self, packed: Packed, kind: Kind = "k", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Packed -> x̂ [..., D] in the original (unrotated) domain."""
+        """Packed -> x̂ [..., D] in the original (unrotated) domain (NaN rows for NaN scales).
+
+        Decoded at the scales' own magnitude, like quantize codes (times_pow2): scales near the
+        float32 limits neither overflow nor lose bits in the inverse rotation.
+        """
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        y = self.dequantize_rotated(self.unpack(packed, kind), packed.scales, kind, work)
-        return rotation.unrotate(y).to(dtype)
+        scales = packed.scales.to(work)
+        e = magnitude_exponent(scales)
+        y = self.dequantize_rotated(self.unpack(packed, kind), times_pow2(scales, -e), kind, work)
+        return times_pow2(rotation.unrotate(y), e).to(dtype)

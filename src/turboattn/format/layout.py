@@ -10,7 +10,9 @@ sequence b lives in slot p (contiguous) or p mod W (ring of W = sliding
 window slots).  `seen[b]` counts tokens appended to sequence b (its next
 absolute position); positions < `starts[b]` are left padding, never attended.
 With a key transform (key_transform.py), keys are stored as (k - shift) * gain
-and attention multiplies q by gain_inv = 1 / gain.
+and attention multiplies q by gain_inv = 1 / gain.  `nonfinite[b]` counts the
+K/V vectors of sequence b stored with a NaN or infinity (NaN scales, see
+codec.quantize); quantize-append adds to it on the device.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class CacheLayout:
     key_gain: torch.Tensor | None = None
     key_gain_inv: torch.Tensor | None = None
     key_shifted: bool = False                # whether key_shift is non-zero (a host flag: no sync to read it)
+    nonfinite: torch.Tensor | None = None    # [B] int32 counter, or None: quantize-append does not count
 
     @property
     def batch_size(self) -> int:

@@ -27,28 +27,30 @@ def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected
 
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
-            key_gain_inv=None, key_shifted=False) -> CacheLayout:
+            key_gain_inv=None, key_shifted=False, nonfinite=None) -> CacheLayout:
     return CacheLayout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
-                       key_gain_inv, key_shifted)
+                       key_gain_inv, key_shifted, nonfinite)
 
 
 def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
                     seen: Tensor, starts: Tensor, new_lengths: Tensor | None, key_shift: Tensor | None,
                     key_gain: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
-                    scale_rule: str, impl: str) -> None:
-    """Code k, v [B, Hkv, T, D] into the slots after seen[b] (seen itself is the caller's to advance)."""
-    layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain)
+                    scale_rule: str, nonfinite: Tensor, impl: str) -> None:
+    """Code k, v [B, Hkv, T, D] into the slots after seen[b] (seen itself is the caller's to advance);
+    nonfinite [B] int32 counts the vectors stored with a NaN or infinity."""
+    layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
+                     nonfinite=nonfinite)
     codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule)
     backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
 
 
 quantize_append = torch.library.custom_op("turboattn::quantize_append", _quantize_append,
-                                          mutates_args=("k_codes", "k_scales", "v_codes", "v_scales"))
+                                          mutates_args=("k_codes", "k_scales", "v_codes", "v_scales", "nonfinite"))
 
 
 @quantize_append.register_fake
 def _(k, v, k_codes, k_scales, v_codes, v_scales, seen, starts, new_lengths, key_shift, key_gain, sliding_window,
-      k_bits, v_bits, scale_rule, impl) -> None:
+      k_bits, v_bits, scale_rule, nonfinite, impl) -> None:
     return None
 
 

@@ -97,10 +97,12 @@ def online_softmax(s, m, l, MAY_BE_EMPTY: tl.constexpr):
 
 @triton.jit
 def finish_split(acc, m, l):
-    """A split's partial result: (acc / l, its log2-sum-exp); a row that saw nothing gives (0, -inf)."""
-    safe = tl.where(l > 0, l, 1.0)
-    lse = tl.where(l > 0, m + tl.log2(safe), float("-inf"))
-    return acc * tl.where(l > 0, 1.0 / safe, 0.0)[:, None], lse
+    """A split's partial result: (acc / l, its log2-sum-exp); a row that saw nothing gives (0, -inf).
+    A NaN sum (a NaN score) gives NaN for both, so the merge passes it on."""
+    empty = l == 0.0
+    safe = tl.where(empty, 1.0, l)
+    lse = tl.where(empty, float("-inf"), m + tl.log2(safe))
+    return acc * tl.where(empty, 0.0, 1.0 / safe)[:, None], lse
 
 
 @triton.jit

@@ -3,6 +3,11 @@
 Dequantizes every slot, attaches absolute positions and runs the exact
 reference attention; the Triton kernel must agree with it within the float16
 rounding of its dot operands.
+
+Non-finite values: a key whose K or V vector is not finite (a NaN-scaled slot,
+or a fresh k/v row holding a NaN or infinity) makes the output row of every
+query that sees it NaN, and changes nothing for the queries that do not (a
+hidden key's value never meets a zero weight: 0 * NaN would leak).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import torch
 
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout, dequantize_slots, slot_positions
-from ..flash.naive import attention_reference
+from ..flash.naive import attention_reference, visibility
 
 
 def cached_attention_naive(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
@@ -34,6 +39,13 @@ def cached_attention_naive(q: torch.Tensor, layout: CacheLayout, codec: KVCodec,
         q_pos = seen + offsets
     else:
         q_pos = seen - tq + offsets
-    return attention_reference(q, k_all, v_all, causal=True, sliding_window=layout.sliding_window,
-                               scale=scale, softcap=softcap, sinks=sinks,
-                               q_positions=q_pos, k_positions=k_pos, compute_dtype=compute_dtype)
+    bad = ~(torch.isfinite(k_all).all(dim=-1) & torch.isfinite(v_all).all(dim=-1))  # [B, Hkv, keys]
+    k_all = k_all.masked_fill(bad[..., None], 0.0)
+    v_all = v_all.masked_fill(bad[..., None], 0.0)
+    out = attention_reference(q, k_all, v_all, causal=True, sliding_window=layout.sliding_window,
+                              scale=scale, softcap=softcap, sinks=sinks,
+                              q_positions=q_pos, k_positions=k_pos, compute_dtype=compute_dtype)
+    seen_by = visibility(q_pos, k_pos, True, layout.sliding_window) & (k_pos >= 0)[:, None, :]  # [B, Tq, keys]
+    group = q.shape[1] // layout.num_kv_heads
+    hit = (seen_by[:, None] & bad.repeat_interleave(group, dim=1)[:, :, None, :]).any(dim=-1)  # [B, Hq, Tq]
+    return out.masked_fill(hit[..., None], float("nan"))

@@ -9,6 +9,12 @@ halves of the head dim (D = 512: one block per half), which is why codes are
 unpacked into a low and a high half.  Each program writes its partial output
 (normalized) and log2-sum-exp; the reduce kernel merges the parts by LSE, adds
 the sinks, rotates back (x = s * H y / sqrt(D)) and casts.
+
+Non-finite keys (naive.py's rule): a slot whose V scale is NaN gets a NaN
+score and a zero V scale, a fresh k/v row holding a NaN or infinity gets a
+NaN score and a zero value row; the position masks then turn the NaN into
+-inf for every query that does not see the key, and into a NaN output row for
+every query that does.
 """
 
 from __future__ import annotations
@@ -125,6 +131,14 @@ def _group_rows(bh, row_block, num_kv_heads, Tq, G: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
+def _nonfinite_rows(lo, hi):
+    """Rows [N] of the halves lo, hi [N, D/2] that hold a NaN or an infinity."""
+    ok = (tl.abs(lo) < float("inf")).to(tl.int32)
+    ok_hi = (tl.abs(hi) < float("inf")).to(tl.int32)
+    return tl.minimum(tl.min(ok, axis=1), tl.min(ok_hi, axis=1)) == 0
+
+
+@triton.jit
 def _finish_scores(s, SOFTCAP: tl.constexpr, softcap):
     """Scores (already scaled, natural units when SOFTCAP) -> log2-domain logits, softcapped if asked."""
     if SOFTCAP:
@@ -190,13 +204,22 @@ def _cached_attention_kernel(
                 pos = slot
             rows = cache_row0 + slot
             k_lo, k_hi = _centroid_halves(k_codes, rows, valid, k_cb, D, K_BITS, K_W0, K_W1, K_LUT, K_VEC)
+            # A NaN V scale (non-finite value) moves to the K scale: the score carries it to the
+            # queries that see the key, and p = 0 of the others never meets it.
             if NB == 1:
-                ks = tl.load(k_scales + rows, mask=valid, other=0.0)
+                vs = tl.load(v_scales + rows, mask=valid, other=0.0)
+                ks = tl.where(vs == vs, tl.load(k_scales + rows, mask=valid, other=0.0), float("nan"))
+                vs = tl.where(vs == vs, vs, 0.0)
                 s = tl.dot(q_lo, tl.trans(k_lo))
                 s = tl.dot(q_hi, tl.trans(k_hi), acc=s) * ks[None, :]
             else:
-                ks0 = tl.load(k_scales + rows * 2, mask=valid, other=0.0)
+                vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0)
+                vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0)
+                ks0 = tl.where((vs0 == vs0) & (vs1 == vs1), tl.load(k_scales + rows * 2, mask=valid, other=0.0),
+                               float("nan"))
                 ks1 = tl.load(k_scales + rows * 2 + 1, mask=valid, other=0.0)
+                vs0 = tl.where(vs0 == vs0, vs0, 0.0)
+                vs1 = tl.where(vs1 == vs1, vs1, 0.0)
                 s = tl.dot(q_lo, tl.trans(k_lo)) * ks0[None, :] + tl.dot(q_hi, tl.trans(k_hi)) * ks1[None, :]
             s = _finish_scores(s, SOFTCAP, softcap)
             keep = valid[None, :] & (pos[None, :] >= start) & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
@@ -206,13 +229,10 @@ def _cached_attention_kernel(
             p, m, alpha, l = online_softmax(s, m, l, True)
             v_lo, v_hi = _centroid_halves(v_codes, rows, valid, v_cb, D, V_BITS, V_W0, V_W1, V_LUT, V_VEC)
             if NB == 1:
-                vs = tl.load(v_scales + rows, mask=valid, other=0.0)
                 pv = (p * vs[None, :]).to(tl.float16)
                 acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
                 acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])
             else:
-                vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0)
-                vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0)
                 acc_lo = tl.dot((p * vs0[None, :]).to(tl.float16), v_lo, acc=acc_lo * alpha[:, None])
                 acc_hi = tl.dot((p * vs1[None, :]).to(tl.float16), v_hi, acc=acc_hi * alpha[:, None])
     else:
@@ -224,17 +244,21 @@ def _cached_attention_kernel(
             valid = j <= t_max
             k_lo, k_hi = _rotate_halves(kf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
                                         key_shift_ptr + xf, key_gain_ptr + xf, KEY_XFORM, KEY_SHIFT)
+            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
+                                        key_shift_ptr, key_gain_ptr, False, False)
+            # A non-finite k or v row: NaN score (for the queries that see it), zero value row (for the rest).
+            bad = _nonfinite_rows(k_lo, k_hi) | _nonfinite_rows(v_lo, v_hi)
+            v_lo = tl.where(bad[:, None], 0.0, v_lo)
+            v_hi = tl.where(bad[:, None], 0.0, v_hi)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), acc=s)
-            s = _finish_scores(s, SOFTCAP, softcap)
+            s = tl.where(bad[None, :], float("nan"), _finish_scores(s, SOFTCAP, softcap))
             pos = seen + j
             keep = valid[None, :] & (pos[None, :] >= start) & (j[None, :] <= t[:, None]) & row_ok[:, None]
             if HAS_WINDOW:
                 keep = keep & (qpos[:, None] - pos[None, :] < window)
             s = tl.where(keep, s, float("-inf"))
             p, m, alpha, l = online_softmax(s, m, l, True)
-            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
-                                        key_shift_ptr, key_gain_ptr, False, False)
             pv = p.to(tl.float16)
             acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
             acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])

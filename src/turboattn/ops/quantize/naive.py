@@ -15,6 +15,7 @@ def quantize_append_naive(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout,
 
     new_lengths [B] (None: all T) counts the real tokens of each sequence; a ring keeps the
     last W of a longer chunk.  Keys go through the key transform first, as the cache codes them.
+    layout.nonfinite (when set) counts the stored vectors that held a NaN or infinity.
     """
     t = k.shape[2]
     seen = layout.seen.tolist()
@@ -31,3 +32,5 @@ def quantize_append_naive(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout,
             packed = codec.quantize(x[b, :, first:n[b]], kind)
             codes[b, :, slots] = packed.codes
             scales[b, :, slots] = packed.scales
+            if layout.nonfinite is not None:  # a NaN scale marks a vector that held a NaN or infinity
+                layout.nonfinite[b] += packed.scales.isnan().any(dim=-1).sum().to(torch.int32)

@@ -5,6 +5,9 @@ rotates BLOCK_T vectors on tensor cores (common.hadamard_rows), computes the
 per-block scale, finds Lloyd–Max cells by a branch-free binary search over the
 boundaries, bit-packs the planes exactly as codec.pack_codes does, and writes
 codes and scales into the cache slots (ring slots wrap modulo the window).
+Like codec.quantize, each vector is first scaled by a power of two (exact) so
+its norms cannot overflow or underflow, and a vector holding a NaN or infinity
+is stored as codes 0 and NaN scales and counted in the cache's counter.
 """
 
 from __future__ import annotations
@@ -42,6 +45,40 @@ def _cell_index(u, bounds_ptr, grid_ptr, cb_ptr, NEED_CENTROID: tl.constexpr):
     if NEED_CENTROID:
         c = tl.load(cb_ptr + idx)
     return idx, c
+
+
+@triton.jit
+def _pow2(n):
+    """2**n as float32 built from its bits; n int32 in the normal range (codec.pow2)."""
+    return ((n + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _times_pow2(x, n):
+    """x * 2**n with two normal factors, in codec.times_pow2's order (exact unless it over/underflows)."""
+    n = tl.minimum(tl.maximum(n, -252), 252)
+    half = n >> 1  # arithmetic shift: floor(n / 2), like the reference
+    return x * _pow2(half) * _pow2(n - half)
+
+
+@triton.jit
+def _magnitude_exponent(amax):
+    """frexp's exponent of each amax >= 0 (amax in [2^(e-1), 2^e)), 0 for 0: codec.magnitude_exponent."""
+    sub = amax < 1.1754943508222875e-38  # subnormal: its exponent bits read 0, so scale it up by 2^64 first
+    a = tl.where(sub, tl.minimum(amax, 1.0) * 18446744073709551616.0, amax)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 255) - 126 - tl.where(sub, 64, 0)
+    return tl.where(amax > 0, e, 0)
+
+
+@triton.jit
+def _load_finite(base, offs_d, valid, sub_ptr, mul_ptr, AFFINE: tl.constexpr):
+    """Rows of BLK inputs (key transform applied when AFFINE) with non-finite entries zeroed, and
+    whether each row had one."""
+    x = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    if AFFINE:  # the key transform: (x - shift) * gain
+        x = (x - tl.load(sub_ptr + offs_d)[None, :]) * tl.load(mul_ptr + offs_d)[None, :]
+    ok = tl.abs(x) < float("inf")  # False for NaN too
+    return tl.where(ok, x, 0.0), tl.min(ok.to(tl.int32), axis=1) == 0
 
 
 @triton.jit
@@ -102,9 +139,9 @@ def _store_planes(idx0, idx1, row_ptr, mask, R: tl.constexpr, D: tl.constexpr, N
 @triton.jit
 def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                  codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, sub_ptr, mul_ptr,
-                 D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                 count_ptr, D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                  RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr,
-                 AFFINE: tl.constexpr):
+                 AFFINE: tl.constexpr, COUNT: tl.constexpr):
     NB: tl.constexpr = 2 if D == 512 else 1
     BLK: tl.constexpr = D // NB
     CB: tl.constexpr = D * BITS // 8
@@ -112,26 +149,29 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     valid = (offs_t < n_new) & (offs_t >= first)
     offs_d = tl.arange(0, BLK)
     base = x_ptr + b * sx_b + h * sx_h + offs_t[:, None] * sx_t
-    x0 = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     xf = (b * num_kv_heads + h) * D
-    if AFFINE:  # the key transform: (x - shift) * gain
-        x0 = (x0 - tl.load(sub_ptr + xf + offs_d)[None, :]) * tl.load(mul_ptr + xf + offs_d)[None, :]
-    x0 = x0 * tl.load(signs_ptr + offs_d)[None, :]
+    x0, bad = _load_finite(base, offs_d, valid, sub_ptr + xf, mul_ptr + xf, AFFINE)
+    amax = tl.max(tl.abs(x0), axis=1)
+    if NB == 2:
+        x1, bad1 = _load_finite(base + BLK, offs_d, valid, sub_ptr + xf + BLK, mul_ptr + xf + BLK, AFFINE)
+        bad = bad | bad1
+        amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
+    e = _magnitude_exponent(amax)
+    x0 = _times_pow2(x0, -e[:, None]) * tl.load(signs_ptr + offs_d)[None, :]
     if NB == 2:
         # H_512 = [[H, H], [H, -H]] with H = H_256: one butterfly, then two H_256 products.
-        x1 = tl.load(base + BLK + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        if AFFINE:
-            x1 = (x1 - tl.load(sub_ptr + xf + BLK + offs_d)[None, :]) * tl.load(mul_ptr + xf + BLK + offs_d)[None, :]
-        x1 = x1 * tl.load(signs_ptr + BLK + offs_d)[None, :]
+        x1 = _times_pow2(x1, -e[:, None]) * tl.load(signs_ptr + BLK + offs_d)[None, :]
         y0 = hadamard_any(x0 + x1, had_ptr, BLK)
         y1 = hadamard_any(x0 - x1, had_ptr, BLK)
     else:
         y0 = hadamard_any(x0, had_ptr, BLK)
         y1 = y0
     idx0, s0 = _encode_block(y0, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK)
+    idx0 = tl.where(bad[:, None], 0, idx0)
     idx1 = idx0
     if NB == 2:
         idx1, s1 = _encode_block(y1, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK)
+        idx1 = tl.where(bad[:, None], 0, idx1)
 
     slot = slot0 + offs_t
     if RING:
@@ -139,9 +179,12 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     row = (b * num_kv_heads + h).to(tl.int64) * N + slot
     _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC)
     norm = 1.0 / tl.sqrt(D * 1.0)  # hadamard_rows is unnormalized
-    tl.store(scales_ptr + row * NB, s0 * norm, mask=valid)
+    tl.store(scales_ptr + row * NB, tl.where(bad, float("nan"), _times_pow2(s0 * norm, e)), mask=valid)
     if NB == 2:
-        tl.store(scales_ptr + row * NB + 1, s1 * norm, mask=valid)
+        tl.store(scales_ptr + row * NB + 1, tl.where(bad, float("nan"), _times_pow2(s1 * norm, e)), mask=valid)
+    if COUNT:
+        n_bad = tl.sum((bad & valid).to(tl.int32), axis=0)
+        tl.atomic_add(count_ptr + b, n_bad, mask=n_bad > 0)
 
 
 @triton.jit
@@ -149,11 +192,11 @@ def _quantize_append_kernel(
     k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     k_codes, k_scales, v_codes, v_scales,
     k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-    seen_ptr, new_len_ptr, T, N, num_kv_heads,
+    seen_ptr, new_len_ptr, count_ptr, T, N, num_kv_heads,
     D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr,
+    K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr, COUNT: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BLOCK_T
     bh = tl.program_id(1)
@@ -169,11 +212,11 @@ def _quantize_append_kernel(
     if tl.program_id(2) == 0:
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-                     D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM)
+                     count_ptr, D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM, COUNT)
     else:
         _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-                     D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False)
+                     count_ptr, D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False, COUNT)
 
 
 @lru_cache(maxsize=None)
@@ -213,10 +256,11 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
         layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
         k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
         *(layout.key_shift, layout.key_gain) if key_xform else (k_cb, k_cb),
-        layout.seen, new_lengths if new_lengths is not None else layout.seen, t, layout.capacity, hkv,
+        layout.seen, new_lengths if new_lengths is not None else layout.seen,
+        layout.nonfinite if layout.nonfinite is not None else layout.seen, t, layout.capacity, hkv,
         D=d, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
         V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
         RULE=codec.scale_rule_id, BLOCK_T=plan.block_t, RING=layout.is_ring,
         HAS_LENGTHS=new_lengths is not None, K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
-        KEY_XFORM=key_xform, num_warps=plan.num_warps,
+        KEY_XFORM=key_xform, COUNT=layout.nonfinite is not None, num_warps=plan.num_warps,
     )

@@ -198,8 +198,10 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
       fresh_s[j] = -INFINITY;
       if (!p.has_fresh || j > t || (p.window > 0 && t - j >= p.window)) continue;
       float dot = 0.f;
+      bool finite = true;  // a token with a non-finite k or v scores NaN (its value is then never read)
       for (int d = lane; d < D; d += 32) {
         float kd = load_float(p.k_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+        finite = finite && isfinite(kd) && isfinite(load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d));
         if (p.key_shift) kd -= p.key_shift[(size_t)bh * D + d];
         dot += load_q(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t + d) * kd;
       }
@@ -207,6 +209,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
       for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       float x = dot * p.q_scale;
       if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
+      if (!__all_sync(0xffffffffu, finite)) x = NAN;
       fresh_s[j] = x;
       mx = fmaxf(mx, x);
     }
@@ -251,7 +254,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
         acc.x += wj * x[j].x, acc.y += wj * x[j].y, acc.z += wj * x[j].z, acc.w += wj * x[j].w;
       }
     }
-    const float inv = denominator[r] > 0.f ? 1.f / denominator[r] : 0.f;
+    const float inv = denominator[r] != 0.f ? 1.f / denominator[r] : 0.f;  // NaN stays NaN
     reinterpret_cast<float4*>(y)[i] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   }
   __syncthreads();
@@ -263,10 +266,12 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     const int t = r / p.group, head = kvh * p.group + r % p.group;
     const size_t at = (((size_t)b * hq + head) * p.tq + t) * D + d;
     float x = y[i] * p.signs[d] * norm;
-    if (p.has_fresh && denominator[r] > 0.f) {
+    if (p.has_fresh && denominator[r] != 0.f) {
       float fresh = 0.f;
-      for (int j = 0; j <= t; ++j)
-        fresh += fresh_p[r * MAX_ROWS + j] * load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+      for (int j = 0; j <= t; ++j) {
+        const float w = fresh_p[r * MAX_ROWS + j];
+        if (!isnan(w)) fresh += w * load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+      }
       x += fresh / denominator[r];
     }
     if (p.q_dtype == 0) reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(x);
@@ -381,6 +386,15 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
 
   // One 16-key tile: scores, online softmax, and the PV product.
   auto process = [&](const TileData<D>& cur, const int tile) {
+    // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
+    // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
+    float k_scale[2], v_scale[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const bool bad = isnan(cur.v_scale[n]);
+      k_scale[n] = bad ? cur.v_scale[n] : cur.k_scale[n];
+      v_scale[n] = bad ? 0.f : cur.v_scale[n];
+    }
     // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains.
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -394,7 +408,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
     // s[2n + e]: key g + 8n, row 2c + e.  Scale, cap, and mask where a mask can apply.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float x = (s[i] + s_odd[i]) * cur.k_scale[i / 2];
+      float x = (s[i] + s_odd[i]) * k_scale[i / 2];
       if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
       s[i] = x;
     }
@@ -440,7 +454,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
       for (int n = 0; n < 2; ++n) {
         const float e2 = fast_exp2(s[2 * n + e] - m_use);
         l[e] += e2;
-        pr[2 * n + e] = e2 * cur.v_scale[n];
+        pr[2 * n + e] = e2 * v_scale[n];
       }
     }
     // P^T (16 keys x 8 rows) from the accumulator layout to the B layout: one 8x8 transpose per 8 keys.
@@ -506,8 +520,9 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
       o += o_warp[(w * MAX_ROWS + r) * D + d];
     }
     const size_t part = ((size_t)bh * p.num_parts + split) * rows + r;
-    p.o_part[part * D + d] = lsum > 0.f ? o / lsum : 0.f;
-    if (d == 0) p.lse_part[part] = lsum > 0.f ? m_use + log2f(lsum) : -INFINITY;
+    // lsum is 0 when no key was visible; a NaN (a non-finite key that was seen) stays NaN.
+    p.o_part[part * D + d] = lsum != 0.f ? o / lsum : 0.f;
+    if (d == 0) p.lse_part[part] = lsum != 0.f ? m_use + log2f(lsum) : -INFINITY;
   }
   if (p.counters == nullptr) return;
   // Fused merge: count this part in (after making it visible); the last CTA of the (sequence, KV head) merges.

@@ -1,0 +1,137 @@
+"""A QuantizedKVCache as a safetensors file (no pickle): save a prompt's cache, load it back bit for bit.
+
+File contents.  Tensors: `k_codes`, `k_scales`, `v_codes`, `v_scales` [B, Hkv, held, ...], where
+held = min(longest sequence, capacity) is the number of slots in use (the slots after it are zeros
+in any cache, so they are not written); `seen`, `starts`, `nonfinite` [B] int32; and, when the
+cache has a key transform, `key_shift`, `key_gain`, `key_gain_inv` [B, Hkv, D] float32.  Header
+metadata (strings): `kind`, `file_version` (this layout), `format_version` (codec.FORMAT_VERSION:
+what codes and scales mean), `head_dim`, `k_bits`, `v_bits`, `scale_rule`, `batch_size`,
+`num_kv_heads`, `capacity`, `sliding_window` ("none" or an int).
+
+Loading checks the kind and both versions, then every tensor's dtype and shape against the header,
+and raises ValueError naming what differs.  `cache_state` / `cache_from_state` take a key prefix, so
+that a file can hold several caches (integrations/hf_persist.py: one per model layer).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..format.codec import FORMAT_VERSION, KVCodec
+from .dynamic import QuantizedKVCache
+
+KIND = "turboattn.QuantizedKVCache"
+FILE_VERSION = 1
+_SLOTS = ("k_codes", "k_scales", "v_codes", "v_scales")
+_PER_SEQUENCE = ("seen", "starts", "nonfinite")
+_KEY_TRANSFORM = ("key_shift", "key_gain", "key_gain_inv")
+
+
+def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, header metadata) describing `cache` completely, every key starting with `prefix`."""
+    if not isinstance(cache, QuantizedKVCache):
+        raise TypeError(f"cache must be a turboattn.QuantizedKVCache, got {type(cache).__name__}")
+    held = min(cache.max_seen, cache.capacity)
+    tensors = {name: getattr(cache, name)[:, :, :held] for name in _SLOTS}
+    tensors.update({name: getattr(cache, name) for name in _PER_SEQUENCE})
+    if cache.key_gain is not None:
+        tensors.update({name: getattr(cache, name) for name in _KEY_TRANSFORM})
+    codec = cache.codec
+    meta = {"kind": KIND, "file_version": FILE_VERSION, "format_version": FORMAT_VERSION,
+            "head_dim": codec.head_dim, "k_bits": codec.k_bits, "v_bits": codec.v_bits,
+            "scale_rule": codec.scale_rule, "batch_size": cache.batch_size, "num_kv_heads": cache.num_kv_heads,
+            "capacity": cache.capacity, "sliding_window": "none" if cache.sliding_window is None
+            else cache.sliding_window}
+    # safetensors wants contiguous tensors that share no storage; the file is written from the host.
+    return ({prefix + k: t.detach().contiguous().cpu() for k, t in tensors.items()},
+            {prefix + k: str(v) for k, v in meta.items()})
+
+
+def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], prefix: str = "",
+                     device=None, source: str = "cache file") -> QuantizedKVCache:
+    """Rebuild the cache that cache_state described (on `device`, default: where the tensors are).
+
+    `source` names the file in error messages."""
+    def header(name: str) -> str:
+        if prefix + name not in meta:
+            raise ValueError(f"{source}: metadata {prefix + name!r} is missing: not a turboattn cache file")
+        return meta[prefix + name]
+
+    def integer(name: str) -> int:
+        value = header(name)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{source}: metadata {prefix + name!r} must be an int, got {value!r}") from None
+
+    if header("kind") != KIND:
+        raise ValueError(f"{source}: holds a {header('kind')!r}, not a {KIND}")
+    for name, want in (("file_version", FILE_VERSION), ("format_version", FORMAT_VERSION)):
+        if integer(name) != want:
+            raise ValueError(f"{source}: {name} {integer(name)} differs from this turboattn's {want}; "
+                             "the file was written by another version and cannot be read")
+    try:
+        codec = KVCodec(integer("head_dim"), integer("k_bits"), integer("v_bits"), header("scale_rule"))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    window = None if header("sliding_window") == "none" else integer("sliding_window")
+    b, hkv, capacity = integer("batch_size"), integer("num_kv_heads"), integer("capacity")
+
+    def tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if prefix + name not in tensors:
+            raise ValueError(f"{source}: tensor {prefix + name!r} is missing")
+        t = tensors[prefix + name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{source}: tensor {prefix + name!r} must be {dtype} {list(shape)} for the cache "
+                             f"its metadata describes, got {t.dtype} {list(t.shape)}")
+        return t
+
+    seen = tensor("seen", torch.int32, (b,))
+    held = min(int(seen.max()), capacity)
+    if int(seen.min()) < 0 or (window is None and held < int(seen.max())):
+        raise ValueError(f"{source}: lengths {seen.tolist()} do not fit capacity={capacity}")
+    device = torch.device(device) if device is not None else seen.device
+    cache = QuantizedKVCache(codec, b, hkv, capacity=None if window else capacity, sliding_window=window,
+                             device=device)
+    if cache.capacity != capacity:
+        raise ValueError(f"{source}: capacity {capacity} differs from sliding_window={window}")
+    nb = codec.num_blocks
+    for name, dtype, last in (("k_codes", torch.uint8, codec.code_bytes("k")), ("k_scales", torch.float32, nb),
+                              ("v_codes", torch.uint8, codec.code_bytes("v")), ("v_scales", torch.float32, nb)):
+        getattr(cache, name)[:, :, :held] = tensor(name, dtype, (b, hkv, held, last)).to(device)
+    for name in _PER_SEQUENCE:
+        getattr(cache, name).copy_(tensor(name, torch.int32, (b,)))
+    cache._seen_host = seen.tolist()
+    present = [prefix + name in tensors for name in _KEY_TRANSFORM]
+    if any(present) and not all(present):
+        raise ValueError(f"{source}: a key transform needs all of {[prefix + n for n in _KEY_TRANSFORM]}")
+    if all(present):
+        # Set as saved (1 / gain included) rather than through set_key_transform: bit for bit.
+        shift, gain, gain_inv = (tensor(n, torch.float32, (b, hkv, codec.head_dim)).to(device)
+                                 for n in _KEY_TRANSFORM)
+        cache.key_shift, cache.key_gain, cache.key_gain_inv = shift, gain, gain_inv
+        cache._key_shifted = bool(shift.any())
+    return cache
+
+
+def save_cache(cache: QuantizedKVCache, path: str | os.PathLike) -> None:
+    """Write `cache` to a safetensors file at `path` (the format is in this module's docstring)."""
+    tensors, meta = cache_state(cache)
+    save_file(tensors, os.fspath(path), metadata=meta)
+
+
+def read_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors on the CPU, header metadata) of a safetensors file."""
+    with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def load_cache(path: str | os.PathLike, device=None) -> QuantizedKVCache:
+    """The cache save_cache wrote to `path`, on `device` (default: the CPU)."""
+    tensors, meta = read_file(path)
+    return cache_from_state(tensors, meta, device=device, source=os.fspath(path))

@@ -1,0 +1,82 @@
+"""A TurboQuantCache as one safetensors file (no pickle): each layer's QuantizedKVCache and the options.
+
+    from turboattn.hf import save_turboquant_cache, load_turboquant_cache
+    save_turboquant_cache(cache, "prompt.safetensors")            # after a prefill
+    cache = load_turboquant_cache("prompt.safetensors", model.config, device="cuda")
+
+Layer i's cache is stored under the key prefix "layers.<i>." in cache/persist.py's format; the
+header adds `kind`, `file_version`, `num_layers`, the constructor's options (k_bits, v_bits,
+scale_rule, fit_keys, quantize_current, max_cache_len) and, per layer, its sliding window, the
+dtype of the K/V it was given, or "empty" for a layer that holds nothing yet.  Loading rebuilds
+the cache from the model config (as the constructor does) and checks that its layers match the file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from ..cache.persist import cache_from_state, cache_state, read_file
+from .hf import TurboQuantCache
+
+KIND = "turboattn.TurboQuantCache"
+FILE_VERSION = 1
+_DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32)}
+
+
+def save_turboquant_cache(cache: TurboQuantCache, path: str | os.PathLike) -> None:
+    """Write every layer of `cache` to a safetensors file at `path`."""
+    if not isinstance(cache, TurboQuantCache):
+        raise TypeError(f"cache must be a turboattn.hf.TurboQuantCache, got {type(cache).__name__}")
+    first = cache.layers[0]
+    meta = {"kind": KIND, "file_version": str(FILE_VERSION), "num_layers": str(len(cache.layers)),
+            "k_bits": str(cache.k_bits), "v_bits": str(cache.v_bits), "scale_rule": cache.scale_rule,
+            "fit_keys": first.fit_keys, "quantize_current": str(int(first.quantize_current)),
+            "max_cache_len": str(first.max_cache_len or "none")}
+    tensors = {}
+    for i, layer in enumerate(cache.layers):
+        prefix = f"layers.{i}."
+        meta[prefix + "layer_window"] = str(layer.sliding_window or "none")
+        if layer.cache is None:
+            meta[prefix + "layer_dtype"] = "empty"
+            continue
+        meta[prefix + "layer_dtype"] = str(layer.dtype)
+        layer_tensors, layer_meta = cache_state(layer.cache, prefix)
+        tensors.update(layer_tensors)
+        meta.update(layer_meta)
+    save_file(tensors, os.fspath(path), metadata=meta)
+
+
+def load_turboquant_cache(path: str | os.PathLike, config, device=None) -> TurboQuantCache:
+    """The TurboQuantCache save_turboquant_cache wrote to `path`, for the model `config` (the one the
+    constructor takes), on `device` (default: the CPU).  ValueError when the file does not match."""
+    source = os.fspath(path)
+    tensors, meta = read_file(path)
+    if meta.get("kind") != KIND:
+        raise ValueError(f"{source}: holds a {meta.get('kind')!r}, not a {KIND}")
+    if meta.get("file_version") != str(FILE_VERSION):
+        raise ValueError(f"{source}: file_version {meta.get('file_version')} differs from this turboattn's "
+                         f"{FILE_VERSION}; the file was written by another version and cannot be read")
+    max_len = meta["max_cache_len"]
+    cache = TurboQuantCache(config, int(meta["k_bits"]), int(meta["v_bits"]), meta["scale_rule"],
+                            quantize_current=meta["quantize_current"] == "1",
+                            max_cache_len=None if max_len == "none" else int(max_len), fit_keys=meta["fit_keys"])
+    if len(cache.layers) != int(meta["num_layers"]):
+        raise ValueError(f"{source}: holds {meta['num_layers']} layers, the model config has {len(cache.layers)}")
+    for i, layer in enumerate(cache.layers):
+        prefix = f"layers.{i}."
+        window = str(layer.sliding_window or "none")
+        if meta[prefix + "layer_window"] != window:
+            raise ValueError(f"{source}: layer {i} was saved with sliding_window={meta[prefix + 'layer_window']}, "
+                             f"the model config gives {window}")
+        dtype = meta[prefix + "layer_dtype"]
+        if dtype == "empty":
+            continue
+        if dtype not in _DTYPES:
+            raise ValueError(f"{source}: layer {i} has dtype {dtype!r}, expected one of {list(_DTYPES)}")
+        layer.cache = cache_from_state(tensors, meta, prefix, device=device or "cpu", source=source)
+        # What lazy_initialization would have set on the first update.
+        layer.dtype, layer.device, layer.is_initialized = _DTYPES[dtype], layer.cache.device, True
+    return cache
