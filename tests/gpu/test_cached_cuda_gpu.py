@@ -101,3 +101,86 @@ def test_cuda_decode_is_graph_capturable():
     cache.seen -= 1
     ref = cached_attention_naive(q, cache.layout, cache.codec, kn, kn, compute_dtype=torch.float64)
     assert rel_error(out, ref) < TOL
+
+
+# -- non-finite inputs (the rule of tests/test_nonfinite.py, on the CUDA kernel) ---------------------------------
+
+BAD = [float("nan"), float("inf"), -float("inf")]
+
+
+def _cuda_pair(codec, b, hkv, k, v, capacity=None, sliding_window=None, padding=None, pieces=(None,)):
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=sliding_window, device="cuda")
+    if padding is not None:
+        cache.set_left_padding(padding)
+    start = 0
+    for end in pieces:
+        cache.append(k[:, :, start:end].cuda(), v[:, :, start:end].cuda())
+        start = end
+    return cache
+
+
+def _check_nan_rows(got, want_nan, clean):
+    assert torch.equal(got.isnan().any(-1).cpu(), want_nan)
+    assert bool(got[want_nan.cuda()].isnan().all())
+    assert torch.equal(got[~want_nan.cuda()], clean[~want_nan.cuda()])
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("value", BAD, ids=["nan", "inf", "-inf"])
+def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value):
+    """The last cached position of sequence 0, KV head 0 is poisoned; of two queries ending there, the first
+    does not see it.  3 splits: the NaN must cross the fused merge to exactly its rows."""
+    gen = torch.Generator().manual_seed(7)
+    codec = ta.KVCodec(128, 4, 4)
+    b, hkv, g, t, tq = 2, 2, 4, 300, 2
+    k, v = (torch.randn(b, hkv, t, 128, generator=gen, dtype=torch.float32) for _ in range(2))
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if kind == "k" else bad_v)[0, 0, t - 1, 5] = value
+    q = torch.randn(b, hkv * g, tq, 128, generator=gen).to("cuda", torch.bfloat16)
+    assert cuda.supports(q, codec, hkv)
+    clean = ta.cached_attention(q, _cuda_pair(codec, b, hkv, k, v, capacity=t), num_splits=3)
+    got = ta.cached_attention(q, _cuda_pair(codec, b, hkv, bad_k, bad_v, capacity=t), num_splits=3)
+    want_nan = torch.zeros(b, hkv * g, tq, dtype=torch.bool)
+    want_nan[0, :g, 1] = True
+    _check_nan_rows(got, want_nan, clean)
+    assert bool(torch.isfinite(clean).all())
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_cuda_hidden_nonfinite_keys_change_nothing(kind):
+    """A left-padding position (sequence 1) and the oldest slot of a wrapped ring (sequence 0, out of the next
+    query's window) hold NaN / inf: every output stays finite and bit-identical."""
+    gen = torch.Generator().manual_seed(8)
+    codec = ta.KVCodec(128, 4, 4)
+    w, b, hkv, t = 64, 2, 2, 100
+    k, v = (torch.randn(b, hkv, t, 128, generator=gen) for _ in range(2))
+    fresh = [x.to("cuda", torch.bfloat16) for x in (torch.randn(b, hkv, 1, 128, generator=gen) for _ in range(2))]
+    q = torch.randn(b, hkv * 4, 1, 128, generator=gen).to("cuda", torch.bfloat16)
+    bad_k, bad_v = k.clone(), v.clone()
+    for index in [(0, 1, 36, 0), (1, 0, 2, 9)]:   # sequence 0: position 36 < 100 + 1 - 64; sequence 1: padding
+        (bad_k if kind == "k" else bad_v)[index] = float("nan") if kind == "k" else float("inf")
+    outs = []
+    for kk, vv in ((k, v), (bad_k, bad_v)):
+        cache = _cuda_pair(codec, b, hkv, kk, vv, sliding_window=w, padding=[0, 5], pieces=(40, None))
+        outs.append(ta.cached_attention(q, cache, *fresh, num_splits=2))
+    assert bool(torch.isfinite(outs[1]).all()) and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("value", BAD, ids=["nan", "inf", "-inf"])
+def test_cuda_fresh_nonfinite_reaches_only_later_queries(kind, value):
+    """Fresh token 1 of sequence 1, KV head 1 is poisoned: that head group's query 1 sees it, query 0 does not."""
+    gen = torch.Generator().manual_seed(9)
+    codec = ta.KVCodec(128, 4, 4)
+    b, hkv, g, tq = 2, 2, 4, 2
+    k, v = (torch.randn(b, hkv, 200, 128, generator=gen) for _ in range(2))
+    cache = _cuda_pair(codec, b, hkv, k, v, capacity=256)
+    kn, vn = (torch.randn(b, hkv, tq, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    q = torch.randn(b, hkv * g, tq, 128, generator=gen).to("cuda", torch.bfloat16)
+    bad_k, bad_v = kn.clone(), vn.clone()
+    (bad_k if kind == "k" else bad_v)[1, 1, 1, 2] = value
+    clean = ta.cached_attention(q, cache, kn, vn, num_splits=2)
+    got = ta.cached_attention(q, cache, bad_k, bad_v, num_splits=2)
+    want_nan = torch.zeros(b, hkv * g, tq, dtype=torch.bool)
+    want_nan[1, g:, 1] = True
+    _check_nan_rows(got, want_nan, clean)
