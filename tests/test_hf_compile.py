@@ -15,6 +15,7 @@ tests/gpu/test_hf_gpu.py.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -75,6 +76,32 @@ def test_decode_step_compiles_once(factory):
     assert cache.get_seq_length().item() == PROMPT + STEPS and not cache.overflowed
 
 
+@torch.no_grad()
+def test_compiled_step_in_another_thread():
+    """The update -> attention handoff is per thread and traced: a step compiled in one thread runs in another
+    (compiling once more there: the thread's slot does not exist yet) with the eager logits."""
+    model = tiny_llama()
+    ids = random_ids(PROMPT + 4, batch=2)
+    cache = TurboQuantCache(model.config, 4, 4, max_cache_len=64)
+    model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+    backend, graphs = counting_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: model(input_ids=t, past_key_values=cache).logits, backend=backend,
+                             fullgraph=True)
+    got = [compiled(ids[:, PROMPT:PROMPT + 1])]
+
+    def other():
+        with torch.no_grad():
+            got.extend(compiled(ids[:, s:s + 1]) for s in range(PROMPT + 1, PROMPT + 3))
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    got.append(compiled(ids[:, PROMPT + 3:]))
+    for g, w in zip(got, eager_logits(model, ids, PROMPT), strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    assert len(graphs) <= 2
+
+
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # the growing plan
 @torch.no_grad()
 def test_growing_cache_recompiles_where_the_static_one_does_not():
@@ -122,6 +149,30 @@ def test_generate_with_compile_config(factory):
         torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
         assert len(graphs) == 1, f"{len(graphs)} graphs after prompt {seed}"
     assert not cache.overflowed
+
+
+@torch.no_grad()
+def test_compiling_model_forward_as_a_new_user_would():
+    """model.forward = torch.compile(model.forward) compiles the prefill too: it graph-breaks where it reads
+    the prompt on the host (padding, key-transform fit), which is allowed there, and its first run meets
+    a fresh cache (not yet allocated) where later prompts meet a reset one.  From the second prompt on
+    nothing compiles anew, also for a longer generation: the decode step does not depend on the length."""
+    model, ref = tiny_llama(), tiny_llama()
+    backend, graphs = counting_backend()
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend)
+    ids = random_ids(20, batch=2)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    cache = TurboQuantCache(model.config, 4, 4, max_cache_len=40)
+    counts = []
+    for new_tokens in (4, 4, 12):
+        cache.reset()
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        want = ref.generate(ids, past_key_values=TurboQuantCache(ref.config, 4, 4), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, **kw)
+        assert torch.equal(got, want)
+        counts.append(len(graphs))
+    assert counts[1] == counts[2], counts   # the third, longer generation compiled nothing new
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -201,6 +252,25 @@ def test_static_cache_rules():
     assert cache.is_empty
     cache.reset()
     assert cache.is_empty and cache.seen.tolist() == [0]
+
+
+def test_static_reorder_keeps_the_storage(gen):
+    """Beam search's reorder (B unchanged) permutes a static cache in place, keeping every tensor's address
+    (what a CUDA graph recorded); a new batch size reallocates."""
+    cache = QuantizedKVCache(KVCodec(64, 4, 4), 2, 1, capacity=8, static=True)
+    cache.set_key_transform(torch.randn(2, 1, 64, generator=gen), torch.ones(2, 1, 64))
+    k = torch.randn(2, 1, 5, 64, generator=gen)
+    cache.append(k, k)
+    cache.append(k[:1].expand(2, -1, -1, -1)[:, :, :2], k[:, :, :2])   # lengths stay equal, contents differ
+    names = ("k_codes", "k_scales", "v_codes", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv")
+    before = {n: getattr(cache, n).clone() for n in names}
+    ptrs = {n: getattr(cache, n).data_ptr() for n in names}
+    cache.reorder_cache(torch.tensor([1, 0]))
+    for n in names:
+        assert getattr(cache, n).data_ptr() == ptrs[n], n
+        assert torch.equal(getattr(cache, n), before[n].flip(0)), n
+    cache.batch_select_indices([1])
+    assert cache.batch_size == 1 and torch.equal(cache.k_codes, before["k_codes"][:1])
 
 
 def test_static_key_transform_keeps_its_storage():

@@ -130,11 +130,12 @@ class QuantizedKVCache:
     def _host_lengths(self) -> list[int]:
         return self.seen.tolist() if self.is_static else list(self._seen_host)
 
-    def _mark_static(self) -> None:
+    def _mark_static(self, tensors=None) -> None:
         """Tell torch.compile that a static cache's tensors keep their addresses, so that CUDA graphs
-        (mode="reduce-overhead") update them in place rather than copying them each replay."""
+        (mode="reduce-overhead") update them in place rather than copying them each replay.  Not while
+        compiling (a compiled prefill allocates them): that marking is for the next compile."""
         if self.is_static and not torch.compiler.is_compiling():
-            for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts):
+            for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts):
                 torch._dynamo.mark_static_address(t)
 
     @property
@@ -183,8 +184,7 @@ class QuantizedKVCache:
             if self._key_buffers is None:
                 self._key_buffers = tuple(torch.empty_like(shift, memory_format=torch.contiguous_format)
                                           for _ in range(3))
-                for t in self._key_buffers:
-                    torch._dynamo.mark_static_address(t)
+                self._mark_static(self._key_buffers)
             self.key_shift, self.key_gain, self.key_gain_inv = self._key_buffers
             self.key_shift.copy_(shift)
             self.key_gain.copy_(gain)
@@ -285,16 +285,23 @@ class QuantizedKVCache:
         """Keep the sequences `indices` (1-D ints in [0, B), repeats allowed), in that order; B becomes len(indices)."""
         idx = self._batch_indices(indices, "indices")
         idx_dev = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        # A static cache keeps its storage (addresses included, for CUDA graphs) while B stays, as in beam search.
+        in_place = self.is_static and len(idx) == self.batch_size
         for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts",
                      "key_shift", "key_gain", "key_gain_inv"):
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, t.index_select(0, idx_dev))
+                picked = t.index_select(0, idx_dev)
+                if in_place:
+                    t.copy_(picked)
+                else:
+                    setattr(self, name, picked)
         if not self.is_static:
             self._seen_host = [self._seen_host[i] for i in idx]
-        self.batch_size = len(idx)
-        self._key_buffers = None   # sized for the old batch; a static cache allocates new ones on demand
-        self._mark_static()
+        if not in_place:
+            self.batch_size = len(idx)
+            self._key_buffers = None   # sized for the old batch; a static cache allocates new ones on demand
+            self._mark_static()
         # The host flag may turn off when no shifted sequence is left (indices were read on the host anyway).
         self._key_shifted = self._key_shifted and bool(self.key_shift.any())
 

@@ -12,9 +12,9 @@ full K/V without dequantizing all of it, so `TurboQuantLayer.update` returns
 the fresh k, v untouched and hands itself to the attention function through a
 per-thread slot (`_handoff`; update and attention run back to back in every
 attention module, and a thread-local keeps two threads running models apart;
-torch.compile traces it like any attribute, so a compiled step has no graph
-break there); the attention function (`turboattn_attention`) takes the layer
-from the slot and lets it attend:
+torch.compile traces it, so a compiled step has no graph break there); the
+attention function (`turboattn_attention`) takes the layer from the slot and
+lets it attend:
 
 - first chunk of a sequence (prefill): `flash_attention` on the fresh K/V;
   then, unless `fit_keys="off"`, the key transform is fitted to the chunk's
@@ -64,17 +64,16 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the hf extra
     raise ImportError("turboattn.hf needs transformers>=5.0: pip install 'turboattn[hf]'") from e
 
-class _Handoff(threading.local):
-    # The layer whose update() ran last in this thread and whose attention call is still due.  A class
-    # default, so that every thread starts with the attribute set (compiled code guards on its value).
-    layer = None
-
-
-_handoff = _Handoff()
+# The layer whose update() ran last in this thread and whose attention call is still due.  torch.compile
+# traces a threading.local (dynamo special-cases it): a compiled step guards on the slot being empty and
+# replays its writes; a thread's first compiled call compiles once more (the slot does not exist there yet).
+# A module-level object would trace the same but mix up two threads running models at once.  Keep it a plain
+# threading.local: a subclass with a class-level default tripped an internal dynamo guard check (torch 2.13).
+_handoff = threading.local()
 
 
 def _take_pending_layer():
-    layer = _handoff.layer
+    layer = getattr(_handoff, "layer", None)
     _handoff.layer = None
     return layer
 
@@ -113,7 +112,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or (self.cache.is_empty and not self._fits(key_states)):
             self.lazy_initialization(key_states, value_states)  # an empty (reset) cache takes any batch shape
-        if _handoff.layer is not None:
+        if getattr(_handoff, "layer", None) is not None:
             _handoff.layer = None
             raise RuntimeError("TurboQuantCache was updated twice without attending: load the model with "
                                f"attn_implementation={ATTN_NAME!r} (import turboattn.hf registers it)")
@@ -121,11 +120,11 @@ class TurboQuantLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int | torch.Tensor:
-        """Tokens seen (the longest sequence).  Static: a 0-d device tensor, as transformers' StaticLayer
+        """Tokens seen (the longest sequence).  Static: a 0-d int64 device tensor, as transformers' StaticLayer
         returns, so that positions computed from it do not turn into a new constant every step."""
         if self.cache is None:
             return 0
-        return self.cache.seen.max() if self.is_compileable else self.cache.max_seen
+        return self.cache.seen.max().to(torch.int64) if self.is_compileable else self.cache.max_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Static: one width for every step (the mask function pads the 2-D mask to it), so that the mask
