@@ -19,12 +19,12 @@ from hf_models import (fake_quant_cache, key_transform, random_ids, teacher_forc
                        tiny_gemma2, tiny_gemma3, tiny_llama)
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 from turboattn import KVCodec, flash_attention  # noqa: E402
-from turboattn.hf import TurboQuantCache, turboattn_attention  # noqa: E402
+from turboattn.hf import TurboQuantCache, turboattn_attention, turboattn_mask  # noqa: E402
 from turboattn.format.key_transform import MIN_FIT_TOKENS  # noqa: E402
 
 ATOL = 1e-4
 # The growing cache, and the static one (max_cache_len: lengths on the device, fixed storage) that compiled
-# decoding uses (tests/test_hf_compile.py): both must give the same results everywhere.
+# decoding uses (tests/test_compile.py): both must give the same results everywhere.
 CACHE_KINDS = pytest.mark.parametrize("max_len", [None, 320], ids=["growing", "static"])
 
 
@@ -419,3 +419,17 @@ def test_crop_on_sliding_layers(max_len):
     cache.crop(-1)  # the spare slot
     got = model(input_ids=ids[:, 13:], past_key_values=cache).logits
     torch.testing.assert_close(got, want[:, -1:], atol=ATOL, rtol=0)
+
+
+def test_mask_function_pads_without_reading_the_mask():
+    """The mask reaches the attention function right-padded to the cache's mask width (fixed for a static
+    cache), values unread: no host sync, one shape every step."""
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    got = turboattn_mask(2, 1, kv_length=5, attention_mask=mask)
+    assert torch.equal(got, torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool))
+    assert turboattn_mask(2, 1, kv_length=3, attention_mask=mask) is mask
+    assert turboattn_mask(2, 1, kv_length=3, attention_mask=None) is None
+    model = tiny_llama()
+    cache = TurboQuantCache(model.config, max_cache_len=32)
+    model(input_ids=random_ids(4), past_key_values=cache)
+    assert cache.get_mask_sizes(1, 0) == (32, 0) and cache.get_max_length() == 32

@@ -80,7 +80,7 @@ def test_generate_runs_on_gpu():
     assert torch.equal(out[:, :16], ids)
 
 
-# -- the static cache under torch.compile and CUDA graphs (tests/test_hf_compile.py is the CPU side) --------
+# -- the static cache under torch.compile and CUDA graphs (tests/test_compile.py is the CPU side) --------
 
 STATIC_LEN = 96
 

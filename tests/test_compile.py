@@ -1,4 +1,4 @@
-"""torch.compile over the transformers integration: a decode step traces as one graph and compiles once.
+"""torch.compile: a decode step traces as one graph and compiles once (transformers models and the ops).
 
 A static TurboQuantCache (max_cache_len) keeps its lengths on the device, so
 nothing a decode step reads on the host changes from step to step: compiled
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 from hf_models import random_ids, tiny_gemma3, tiny_llama  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from turboattn import KVCodec, QuantizedKVCache, cached_attention  # noqa: E402
-from turboattn.hf import TurboQuantCache, turboattn_mask  # noqa: E402
+from turboattn.hf import TurboQuantCache  # noqa: E402
 
 ATOL = 1e-4   # float32, reduction order only (tests/test_hf.py)
 STEPS = 20
@@ -212,90 +212,3 @@ def test_static_cache_step_compiles_once_on_its_own(backend, gen):
     plan = [n.args for n in graphs[0].graph.nodes if str(n.target) == "turboattn.cached_attention"]
     assert plan[0][19][4] > 1   # num_splits, planned for 4096 slots although 10..29 are held
     assert static.lengths.tolist() == [10 + steps] * 2 and static.max_seen == 10 + steps
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_static_overflow_stores_what_fits_and_flags(backend, gen):
-    """Past its capacity a static cache cannot refuse an append (that needs a host read): it stores the
-    tokens that fit, counts all of them, and says so; nothing is written past the last slot."""
-    if backend == "triton" and not INTERPRETER:
-        pytest.skip("needs TRITON_INTERPRET=1")
-    codec = KVCodec(64, 4, 4)
-    static = QuantizedKVCache(codec, 2, 1, capacity=8, static=True)
-    big = QuantizedKVCache(codec, 2, 1, capacity=16)
-    k, v = (torch.randn(2, 1, 11, 64, generator=gen) for _ in range(2))
-    static.append(k[:, :, :6], v[:, :, :6], backend=backend)
-    assert not static.overflowed
-    static.append(k[:, :, 6:], v[:, :, 6:], backend=backend)
-    big.append(k[:, :, :6], v[:, :, :6], backend=backend)
-    big.append(k[:, :, 6:], v[:, :, 6:], backend=backend)
-    assert static.overflowed and static.seen.tolist() == [11, 11] and static.lengths.tolist() == [8, 8]
-    for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
-        assert torch.equal(getattr(static, name), getattr(big, name)[:, :, :8]), name
-    # A ring never overflows: it keeps the last W.
-    ring = QuantizedKVCache(codec, 2, 1, sliding_window=4, static=True)
-    ring.append(k, v, backend=backend)
-    assert not ring.overflowed
-
-
-def test_static_cache_rules():
-    codec = KVCodec(64, 4, 4)
-    with pytest.raises(TypeError, match="static must be a bool"):
-        QuantizedKVCache(codec, 1, 1, capacity=8, static=1)
-    cache = QuantizedKVCache(codec, 1, 1, capacity=8, static=True)
-    with pytest.raises(ValueError, match="fixed capacity"):
-        cache.reserve(16)
-    assert cache.is_empty and cache.is_static and "static" in repr(cache)
-    cache.append(torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64))
-    assert not cache.is_empty and cache.max_seen == 3
-    cache.crop(0)
-    assert cache.is_empty
-    cache.reset()
-    assert cache.is_empty and cache.seen.tolist() == [0]
-
-
-def test_static_reorder_keeps_the_storage(gen):
-    """Beam search's reorder (B unchanged) permutes a static cache in place, keeping every tensor's address
-    (what a CUDA graph recorded); a new batch size reallocates."""
-    cache = QuantizedKVCache(KVCodec(64, 4, 4), 2, 1, capacity=8, static=True)
-    cache.set_key_transform(torch.randn(2, 1, 64, generator=gen), torch.ones(2, 1, 64))
-    k = torch.randn(2, 1, 5, 64, generator=gen)
-    cache.append(k, k)
-    cache.append(k[:1].expand(2, -1, -1, -1)[:, :, :2], k[:, :, :2])   # lengths stay equal, contents differ
-    names = ("k_codes", "k_scales", "v_codes", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv")
-    before = {n: getattr(cache, n).clone() for n in names}
-    ptrs = {n: getattr(cache, n).data_ptr() for n in names}
-    cache.reorder_cache(torch.tensor([1, 0]))
-    for n in names:
-        assert getattr(cache, n).data_ptr() == ptrs[n], n
-        assert torch.equal(getattr(cache, n), before[n].flip(0)), n
-    cache.batch_select_indices([1])
-    assert cache.batch_size == 1 and torch.equal(cache.k_codes, before["k_codes"][:1])
-
-
-def test_static_key_transform_keeps_its_storage():
-    """reset() and a new prompt's transform reuse the same tensors: a compiled step (or CUDA graph) that
-    read them stays valid."""
-    cache = QuantizedKVCache(KVCodec(64, 4, 4), 1, 2, capacity=8, static=True)
-    shift, gain = torch.randn(1, 2, 64), torch.rand(1, 2, 64) + 0.5
-    cache.set_key_transform(shift, gain)
-    ptrs = [t.data_ptr() for t in (cache.key_shift, cache.key_gain, cache.key_gain_inv)]
-    cache.reset()
-    assert cache.key_shift is None
-    cache.set_key_transform(2 * shift, gain)
-    assert [t.data_ptr() for t in (cache.key_shift, cache.key_gain, cache.key_gain_inv)] == ptrs
-    assert torch.equal(cache.key_shift, 2 * shift) and torch.equal(cache.key_gain_inv, 1 / gain)
-
-
-def test_mask_function_pads_without_reading_the_mask():
-    """The mask reaches the attention function right-padded to the cache's mask width (fixed for a static
-    cache), values unread: no host sync, one shape every step."""
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
-    got = turboattn_mask(2, 1, kv_length=5, attention_mask=mask)
-    assert torch.equal(got, torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool))
-    assert turboattn_mask(2, 1, kv_length=3, attention_mask=mask) is mask
-    assert turboattn_mask(2, 1, kv_length=3, attention_mask=None) is None
-    model = tiny_llama()
-    cache = TurboQuantCache(model.config, max_cache_len=32)
-    model(input_ids=random_ids(4), past_key_values=cache)
-    assert cache.get_mask_sizes(1, 0) == (32, 0) and cache.get_max_length() == 32
