@@ -1,4 +1,5 @@
-"""QuantizedKVCache storage: contiguous and ring layouts, ragged appends, padding, sizes; crop, batch edits, reset."""
+"""QuantizedKVCache storage: contiguous and ring layouts, ragged appends, padding, sizes; crop, batch edits, reset;
+static mode (lengths on the device only: overflow flag, fixed storage)."""
 
 from __future__ import annotations
 
@@ -140,12 +141,16 @@ def test_repr_names_the_format():
 
 STATE = ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv",
          "nonfinite")
+# The edits read a static cache's lengths back from the device; they must leave it as they leave a growing one.
+BOTH_MODES = pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 
 
-def filled(codec, k, v, lengths, window=None, capacity=None, shift=None, gain=None, pad=None, chunks=(None,)):
+def filled(codec, k, v, lengths, window=None, capacity=None, shift=None, gain=None, pad=None, chunks=(None,),
+           static=False):
     """A cache given sequence b's first lengths[b] tokens of k, v [B, Hkv, T, D], in `chunks` appends."""
     b, hkv, t, _ = k.shape
-    cache = ta.QuantizedKVCache(codec, batch_size=b, num_kv_heads=hkv, capacity=capacity, sliding_window=window)
+    cache = ta.QuantizedKVCache(codec, batch_size=b, num_kv_heads=hkv, capacity=capacity, sliding_window=window,
+                                static=static)
     if shift is not None:
         cache.set_key_transform(shift, gain)
     if pad is not None:
@@ -185,13 +190,14 @@ def attend_both(gen, got, want, tq=2, backend="auto", without_fresh=True):
 
 @pytest.mark.parametrize("window", [None, 16], ids=["contiguous", "ring-not-wrapped"])
 @pytest.mark.parametrize("max_length", [-3, 7, 0, 40])
-def test_crop_equals_a_cache_given_only_the_kept_tokens(window, max_length, gen):
+@BOTH_MODES
+def test_crop_equals_a_cache_given_only_the_kept_tokens(window, max_length, static, gen):
     """Negative: drop that many from each sequence; else keep the first max_length (40: more than held)."""
     codec = ta.KVCodec(64, 5, 3)
     b, hkv, lengths = 3, 2, [9, 5, 12]
     k, v = kv(gen, b, hkv, 12, 64)
     shift, gain = transform(gen, b, hkv, 64)
-    opts = dict(window=window, capacity=None if window else 20, shift=shift, gain=gain)
+    opts = dict(window=window, capacity=None if window else 20, shift=shift, gain=gain, static=static)
     cache = filled(codec, k, v, lengths, chunks=(4, 7), **opts)
     cache.crop(max_length)
     kept = [n + max_length if max_length < 0 else min(n, max_length) for n in lengths]
@@ -205,7 +211,8 @@ def test_crop_equals_a_cache_given_only_the_kept_tokens(window, max_length, gen)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_wrapped_ring_crops_its_spare_slot_only(backend, gen):
+@BOTH_MODES
+def test_wrapped_ring_crops_its_spare_slot_only(backend, static, gen):
     """A ring of W slots at seen > W holds positions seen-W .. seen-1; the next query's window needs only
     the W - 1 before it, so one token can go.  The slot then maps to the overwritten position seen-1-W:
     it is marked as padding, and attention equals a ring that was only ever given the kept tokens."""
@@ -213,7 +220,7 @@ def test_wrapped_ring_crops_its_spare_slot_only(backend, gen):
         pytest.skip("needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
     codec, w = ta.KVCodec(64, 4, 4), 8
     k, v = kv(gen, 2, 1, 13, 64)
-    cache = filled(codec, k, v, [13, 5], window=w, chunks=(6,))
+    cache = filled(codec, k, v, [13, 5], window=w, chunks=(6,), static=static)
     before = {name: getattr(cache, name).clone() for name in STATE[:6]}
     with pytest.raises(ValueError, match="sliding_window=8 slots no longer holds positions 4..4"):
         cache.crop(-2)
@@ -245,13 +252,14 @@ def test_wrapped_ring_crops_its_spare_slot_only(backend, gen):
     ("reorder_cache", torch.tensor([2, 0, 0]), [2, 0, 0]),
     ("batch_repeat_interleave", 2, [0, 0, 1, 1, 2, 2]),
 ])
-def test_batch_edits_equal_the_same_edit_of_the_inputs(window, op, arg, idx, gen):
+@BOTH_MODES
+def test_batch_edits_equal_the_same_edit_of_the_inputs(window, op, arg, idx, static, gen):
     """Codes, scales, lengths, left padding and the key transform all follow the selected sequences."""
     codec = ta.KVCodec(64, 4, 3)
     b, hkv, lengths, pad = 3, 2, [5, 9, 2], [1, 0, 0]
     k, v = kv(gen, b, hkv, 9, 64)
     shift, gain = transform(gen, b, hkv, 64)
-    opts = dict(window=window, capacity=None if window else 12)
+    opts = dict(window=window, capacity=None if window else 12, static=static)
     cache = filled(codec, k, v, lengths, shift=shift, gain=gain, pad=pad, chunks=(3,), **opts)
     getattr(cache, op)(arg)
     want = filled(codec, k[idx], v[idx], [lengths[i] for i in idx], shift=shift[idx], gain=gain[idx],
@@ -261,13 +269,15 @@ def test_batch_edits_equal_the_same_edit_of_the_inputs(window, op, arg, idx, gen
     attend_both(gen, cache, want)
 
 
-def test_reset_gives_a_fresh_cache(gen):
+@BOTH_MODES
+def test_reset_gives_a_fresh_cache(static, gen):
     codec = ta.KVCodec(64, 3, 2)
     k, v = kv(gen, 2, 2, 6, 64)
     shift, gain = transform(gen, 2, 2, 64)
-    cache = filled(codec, k, v, [6, 4], capacity=8, shift=shift, gain=gain, pad=[2, 0])
+    cache = filled(codec, k, v, [6, 4], capacity=8, shift=shift, gain=gain, pad=[2, 0], static=static)
     cache.reset()
-    fresh = ta.QuantizedKVCache(codec, batch_size=2, num_kv_heads=2, capacity=8)
+    assert cache.is_empty
+    fresh = ta.QuantizedKVCache(codec, batch_size=2, num_kv_heads=2, capacity=8, static=static)
     assert_same_state(cache, fresh)
     k2, v2 = kv(gen, 2, 2, 3, 64)
     cache.append(k2, v2)
@@ -291,3 +301,78 @@ def test_edit_arguments_are_checked(gen):
         with pytest.raises(ValueError, match="repeats"):
             cache.batch_repeat_interleave(bad)
     assert cache.lengths.tolist() == [4, 2] and cache.batch_size == 2  # nothing changed
+
+
+# -- static mode: lengths on the device only (torch.compile, CUDA graphs) ---------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_overflow_stores_what_fits_and_flags(backend, gen):
+    """Past its capacity a static cache cannot refuse an append (that needs a host read): it stores the
+    tokens that fit, counts all of them, and says so; nothing is written past the last slot."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    codec = ta.KVCodec(64, 4, 4)
+    static = ta.QuantizedKVCache(codec, 2, 1, capacity=8, static=True)
+    big = ta.QuantizedKVCache(codec, 2, 1, capacity=16)
+    k, v = (torch.randn(2, 1, 11, 64, generator=gen) for _ in range(2))
+    static.append(k[:, :, :6], v[:, :, :6], backend=backend)
+    assert not static.overflowed
+    static.append(k[:, :, 6:], v[:, :, 6:], backend=backend)
+    big.append(k[:, :, :6], v[:, :, :6], backend=backend)
+    big.append(k[:, :, 6:], v[:, :, 6:], backend=backend)
+    assert static.overflowed and static.seen.tolist() == [11, 11] and static.lengths.tolist() == [8, 8]
+    for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+        assert torch.equal(getattr(static, name), getattr(big, name)[:, :, :8]), name
+    # A ring never overflows: it keeps the last W.
+    ring = ta.QuantizedKVCache(codec, 2, 1, sliding_window=4, static=True)
+    ring.append(k, v, backend=backend)
+    assert not ring.overflowed
+
+
+def test_static_cache_rules():
+    codec = ta.KVCodec(64, 4, 4)
+    with pytest.raises(TypeError, match="static must be a bool"):
+        ta.QuantizedKVCache(codec, 1, 1, capacity=8, static=1)
+    cache = ta.QuantizedKVCache(codec, 1, 1, capacity=8, static=True)
+    with pytest.raises(ValueError, match="fixed capacity"):
+        cache.reserve(16)
+    assert cache.is_empty and cache.is_static and "static" in repr(cache)
+    cache.append(torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64))
+    assert not cache.is_empty and cache.max_seen == 3
+    cache.crop(0)
+    assert cache.is_empty
+    cache.reset()
+    assert cache.is_empty and cache.seen.tolist() == [0]
+
+
+def test_static_reorder_keeps_the_storage(gen):
+    """Beam search's reorder (B unchanged) permutes a static cache in place, keeping every tensor's address
+    (what a CUDA graph recorded); a new batch size reallocates."""
+    cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 4), 2, 1, capacity=8, static=True)
+    cache.set_key_transform(torch.randn(2, 1, 64, generator=gen), torch.ones(2, 1, 64))
+    k = torch.randn(2, 1, 5, 64, generator=gen)
+    cache.append(k, k)
+    cache.append(k[:1].expand(2, -1, -1, -1)[:, :, :2], k[:, :, :2])   # lengths stay equal, contents differ
+    names = ("k_codes", "k_scales", "v_codes", "v_scales", "seen", "starts", "key_shift", "key_gain", "key_gain_inv")
+    before = {n: getattr(cache, n).clone() for n in names}
+    ptrs = {n: getattr(cache, n).data_ptr() for n in names}
+    cache.reorder_cache(torch.tensor([1, 0]))
+    for n in names:
+        assert getattr(cache, n).data_ptr() == ptrs[n], n
+        assert torch.equal(getattr(cache, n), before[n].flip(0)), n
+    cache.batch_select_indices([1])
+    assert cache.batch_size == 1 and torch.equal(cache.k_codes, before["k_codes"][:1])
+
+
+def test_static_key_transform_keeps_its_storage():
+    """reset() and a new prompt's transform reuse the same tensors: a compiled step (or CUDA graph) that
+    read them stays valid."""
+    cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 4), 1, 2, capacity=8, static=True)
+    shift, gain = torch.randn(1, 2, 64), torch.rand(1, 2, 64) + 0.5
+    cache.set_key_transform(shift, gain)
+    ptrs = [t.data_ptr() for t in (cache.key_shift, cache.key_gain, cache.key_gain_inv)]
+    cache.reset()
+    assert cache.key_shift is None
+    cache.set_key_transform(2 * shift, gain)
+    assert [t.data_ptr() for t in (cache.key_shift, cache.key_gain, cache.key_gain_inv)] == ptrs
+    assert torch.equal(cache.key_shift, 2 * shift) and torch.equal(cache.key_gain_inv, 1 / gain)

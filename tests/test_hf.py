@@ -19,23 +19,27 @@ from hf_models import (fake_quant_cache, key_transform, random_ids, teacher_forc
                        tiny_gemma2, tiny_gemma3, tiny_llama)
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 from turboattn import KVCodec, flash_attention  # noqa: E402
-from turboattn.hf import TurboQuantCache, turboattn_attention  # noqa: E402
+from turboattn.hf import TurboQuantCache, turboattn_attention, turboattn_mask  # noqa: E402
 from turboattn.format.key_transform import MIN_FIT_TOKENS  # noqa: E402
 
 ATOL = 1e-4
+# The growing cache, and the static one (max_cache_len: lengths on the device, fixed storage) that compiled
+# decoding uses (tests/test_compile.py): both must give the same results everywhere.
+CACHE_KINDS = pytest.mark.parametrize("max_len", [None, 320], ids=["growing", "static"])
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3, tiny_gemma2], ids=["llama", "gemma3", "gemma2"])
 @pytest.mark.parametrize("bits", [(4, 4), (3, 2)])
 @pytest.mark.parametrize("strict", [False, True], ids=["decode", "strict"])
 @pytest.mark.parametrize("prefill", [10, 20], ids=["short-prompt", "fitted"])
+@CACHE_KINDS
 @torch.no_grad()
-def test_cache_matches_fake_quant_reference(factory, bits, strict, prefill):
+def test_cache_matches_fake_quant_reference(factory, bits, strict, prefill, max_len):
     """Prefill + decode steps to 30 tokens (past the Gemma window of 8: the ring wraps) against the
     eager reference.  A prompt of 20 tokens fits the key transform, one of 10 is too short for it."""
     model, ref_model = factory(), factory("eager")
     ids = random_ids(30)
-    cache = TurboQuantCache(model.config, *bits, quantize_current=strict)
+    cache = TurboQuantCache(model.config, *bits, quantize_current=strict, max_cache_len=max_len)
     got = teacher_forced_logits(model, ids, cache, prefill)
     # The default fit centers keys; Gemma-2 has softcap, which a shift would reach: no transform there.
     fitted = [key_transform(layer) is not None for layer in cache.layers]
@@ -77,19 +81,21 @@ def test_strict_mode_is_exact_in_chunks(factory):
     torch.testing.assert_close(one, five, atol=ATOL, rtol=0)
 
 
+@CACHE_KINDS
 @torch.no_grad()
-def test_later_chunk_reads_compressed_prefix():
+def test_later_chunk_reads_compressed_prefix(max_len):
     """A second multi-token chunk attends to the compressed prefix plus its own fresh K/V in full precision."""
     model, ref_model = tiny_llama(), tiny_llama("eager")
     ids = random_ids(24)
-    got = teacher_forced_logits(model, ids, TurboQuantCache(model.config, 4, 4), 12, step=12)
+    got = teacher_forced_logits(model, ids, TurboQuantCache(model.config, 4, 4, max_cache_len=max_len), 12, step=12)
     want = teacher_forced_logits(ref_model, ids, fake_quant_cache(ref_model, (4, 4)), 12, step=12)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@CACHE_KINDS
 @torch.no_grad()
-def test_left_padded_batch_generates_like_one_by_one(factory):
+def test_left_padded_batch_generates_like_one_by_one(factory, max_len):
     """Also the key transform: fitted per sequence on its real tokens (the third is too short for one)."""
     model = factory()
     prompts = [random_ids(24, seed=2)[0], random_ids(18, seed=3)[0], random_ids(8, seed=4)[0]]
@@ -100,7 +106,8 @@ def test_left_padded_batch_generates_like_one_by_one(factory):
         ids[i, width - p.numel():] = p
         mask[i, width - p.numel():] = 1
     kw = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    batch = model.generate(ids, attention_mask=mask, past_key_values=TurboQuantCache(model.config, 4, 4), **kw)
+    batch = model.generate(ids, attention_mask=mask,
+                           past_key_values=TurboQuantCache(model.config, 4, 4, max_cache_len=max_len), **kw)
     for i, p in enumerate(prompts):
         one = model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
                              past_key_values=TurboQuantCache(model.config, 4, 4), **kw)
@@ -109,14 +116,31 @@ def test_left_padded_batch_generates_like_one_by_one(factory):
                                    atol=ATOL, rtol=0)
 
 
+@CACHE_KINDS
 @torch.no_grad()
-def test_right_padding_is_rejected():
+def test_right_padding_is_rejected(max_len):
     model = tiny_llama()
     ids = random_ids(6, batch=2)
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0
     with pytest.raises(ValueError, match="left padding"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=TurboQuantCache(model.config, 4, 4))
+        model(input_ids=ids, attention_mask=mask,
+              past_key_values=TurboQuantCache(model.config, 4, 4, max_cache_len=max_len))
+
+
+@CACHE_KINDS
+@torch.no_grad()
+def test_padding_after_the_first_chunk_is_rejected(max_len):
+    """A later chunk's mask columns are its positions (a static cache's mask is right-padded beyond them)."""
+    model = tiny_llama()
+    ids = random_ids(12, batch=2)
+    cache = TurboQuantCache(model.config, 4, 4, max_cache_len=max_len)
+    mask = torch.ones_like(ids)
+    model(input_ids=ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache)
+    model(input_ids=ids[:, 6:9], attention_mask=mask[:, :9], past_key_values=cache)  # all real: accepted
+    mask[0, 10] = 0
+    with pytest.raises(ValueError, match="padding after the first chunk"):
+        model(input_ids=ids[:, 9:], attention_mask=mask, past_key_values=cache)
 
 
 @torch.no_grad()
@@ -268,8 +292,9 @@ def beam_margins(steps, num_beams):
 
 
 @pytest.mark.parametrize("num_beams", [2, 3])
+@CACHE_KINDS
 @torch.no_grad()
-def test_beam_search_matches_exact_cache(num_beams):
+def test_beam_search_matches_exact_cache(num_beams, max_len):
     """reorder_cache every step.  The best beam equals DynamicCache's, except after a near-tie: the first
     choice where the two searches part must have had an exact margin below what k8v8 can move it.  A
     candidate's cumulative score after t + 1 steps sums t + 1 log-probs, each within 2E of exact (E: the
@@ -278,7 +303,7 @@ def test_beam_search_matches_exact_cache(num_beams):
     ids = random_ids(20, seed=4)
     kw = dict(num_beams=num_beams, num_return_sequences=num_beams)
     exact = generate(model, ids, transformers.DynamicCache(config=model.config), **kw)
-    cache = TurboQuantCache(model.config, 8, 8)
+    cache = TurboQuantCache(model.config, 8, 8, max_cache_len=max_len)
     got = generate(model, ids, cache, **kw)
     assert cache.layers[0].cache.batch_size == num_beams and key_transform(cache.layers[0]) is not None
     assert_matches_fake_quant(tiny_llama, ids, got, cache, **kw)
@@ -314,8 +339,9 @@ def assistant():
 
 
 @pytest.mark.parametrize("strategy", ["assistant", "prompt_lookup"])
+@CACHE_KINDS
 @torch.no_grad()
-def test_assisted_decoding_matches_exact_cache(strategy, monkeypatch):
+def test_assisted_decoding_matches_exact_cache(strategy, max_len, monkeypatch):
     """Each round verifies a chunk of candidates against the compressed cache, then crops the rejected ones."""
     model = tiny_llama()
     ids = random_ids(20, seed=4)
@@ -324,21 +350,22 @@ def test_assisted_decoding_matches_exact_cache(strategy, monkeypatch):
     crop = TurboQuantCache.crop
     monkeypatch.setattr(TurboQuantCache, "crop", lambda self, n: (crops.append(n), crop(self, n))[1])
     exact = generate(model, ids, transformers.DynamicCache(config=model.config))
-    cache = TurboQuantCache(model.config, 8, 8)
+    cache = TurboQuantCache(model.config, 8, 8, max_cache_len=max_len)
     got = generate(model, ids, cache, **kw)
     assert min(crops) <= -2 and len(crops) >= 4  # several rounds dropped rejected candidates
     assert_matches_fake_quant(tiny_llama, ids, got, cache, **kw)
     assert_same_tokens_but_near_ties(model, ids, got, exact)
 
 
+@CACHE_KINDS
 @torch.no_grad()
-def test_batch_repeat_and_select_follow_the_chosen_rows():
+def test_batch_repeat_and_select_follow_the_chosen_rows(max_len):
     """Contrastive search's cache edits (transformers 5 moved the strategy itself to a hub repo that needs
     trust_remote_code): repeat the prompt's cache for 3 candidates, step each, keep one; the chosen row
     must continue exactly as a single sequence fed the same tokens."""
     model = tiny_llama()
     ids = random_ids(20, seed=4)
-    cache = TurboQuantCache(model.config, 4, 4)
+    cache = TurboQuantCache(model.config, 4, 4, max_cache_len=max_len)
     model(input_ids=ids, past_key_values=cache)
     cache.batch_repeat_interleave(3)
     candidates = torch.tensor([[5], [17], [40]])
@@ -351,11 +378,12 @@ def test_batch_repeat_and_select_follow_the_chosen_rows():
     assert cache.layers[0].cache.batch_size == 1 and cache.get_seq_length() == 22
 
 
+@CACHE_KINDS
 @torch.no_grad()
-def test_reset_cache_generates_like_a_fresh_one():
+def test_reset_cache_generates_like_a_fresh_one(max_len):
     """Reused after reset(): the same batch size, then another one (an empty cache takes the new shape)."""
     model = tiny_llama()
-    cache = TurboQuantCache(model.config, 4, 4)
+    cache = TurboQuantCache(model.config, 4, 4, max_cache_len=max_len)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     model.generate(random_ids(300), attention_mask=torch.ones(1, 300, dtype=torch.long), past_key_values=cache, **kw)
     for batch, seed in ((1, 5), (2, 6)):
@@ -369,13 +397,14 @@ def test_reset_cache_generates_like_a_fresh_one():
         torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
 
 
+@CACHE_KINDS
 @torch.no_grad()
-def test_crop_on_sliding_layers():
+def test_crop_on_sliding_layers(max_len):
     """Gemma-3's ring layers (W = 8) crop like the full layer until they wrap; after that only one token can
     go (the ring overwrote the rest), and more raises instead of attending to the wrong keys."""
     model = tiny_gemma3()
     ids = random_ids(14)
-    cache = TurboQuantCache(model.config, 4, 4)
+    cache = TurboQuantCache(model.config, 4, 4, max_cache_len=max_len)
     assert not cache.is_croppable
     model(input_ids=ids[:, :7], past_key_values=cache)
     cache.crop(-3)
@@ -390,3 +419,17 @@ def test_crop_on_sliding_layers():
     cache.crop(-1)  # the spare slot
     got = model(input_ids=ids[:, 13:], past_key_values=cache).logits
     torch.testing.assert_close(got, want[:, -1:], atol=ATOL, rtol=0)
+
+
+def test_mask_function_pads_without_reading_the_mask():
+    """The mask reaches the attention function right-padded to the cache's mask width (fixed for a static
+    cache), values unread: no host sync, one shape every step."""
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    got = turboattn_mask(2, 1, kv_length=5, attention_mask=mask)
+    assert torch.equal(got, torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool))
+    assert turboattn_mask(2, 1, kv_length=3, attention_mask=mask) is mask
+    assert turboattn_mask(2, 1, kv_length=3, attention_mask=None) is None
+    model = tiny_llama()
+    cache = TurboQuantCache(model.config, max_cache_len=32)
+    model(input_ids=random_ids(4), past_key_values=cache)
+    assert cache.get_mask_sizes(1, 0) == (32, 0) and cache.get_max_length() == 32

@@ -47,8 +47,8 @@ def prompt_cache(gen, kind, backend, d=64):
     """A cache after a prompt: contiguous with left padding and a key transform (and a NaN value in
     the padding: counted, seen by no query), or a ring that has wrapped, filled raggedly."""
     codec = ta.KVCodec(d, 4, 3, "lsq")
-    if kind == "contiguous":
-        cache = ta.QuantizedKVCache(codec, 2, 2, capacity=40)
+    if kind in ("contiguous", "static"):
+        cache = ta.QuantizedKVCache(codec, 2, 2, capacity=40, static=kind == "static")
         cache.set_left_padding([3, 0])
         shift = torch.randn(2, 2, d, generator=gen)
         cache.set_key_transform(shift, torch.rand(2, 2, d, generator=gen) + 0.5)
@@ -76,14 +76,15 @@ def attend(gen, cache, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("kind", ["contiguous", "ring", "empty"])
+@pytest.mark.parametrize("kind", ["contiguous", "static", "ring", "empty"])
 def test_saved_cache_reloads_bit_for_bit(backend, kind, gen, tmp_path):
     need_backend(backend)
     cache = prompt_cache(gen, kind, backend)
     cache.save(tmp_path / "prompt.safetensors")
     loaded = ta.QuantizedKVCache.load(tmp_path / "prompt.safetensors")
     assert_same_cache(loaded, cache)
-    assert loaded.received_nonfinite() == (kind == "contiguous")
+    assert loaded.received_nonfinite() == (kind in ("contiguous", "static"))
+    assert loaded.is_static == cache.is_static
     state = gen.get_state()
     want = attend(gen, cache, backend)
     gen.set_state(state)
@@ -153,10 +154,10 @@ transformers_missing = pytest.mark.skipif(not __import__("importlib").util.find_
                                           reason="needs transformers")
 
 
-def _prefilled(model, ids, mask):
+def _prefilled(model, ids, mask, max_cache_len=None):
     from turboattn.hf import TurboQuantCache
 
-    cache = TurboQuantCache(model.config, 4, 3)
+    cache = TurboQuantCache(model.config, 4, 3, max_cache_len=max_cache_len)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     return cache
@@ -169,7 +170,8 @@ def _step(model, cache, ids, mask, token):
 
 @transformers_missing
 @pytest.mark.parametrize("model_name", ["llama", "gemma3"])
-def test_turboquant_cache_reloads_and_copies_bit_for_bit(model_name, tmp_path):
+@pytest.mark.parametrize("max_cache_len", [None, 32], ids=["growing", "static"])
+def test_turboquant_cache_reloads_and_copies_bit_for_bit(model_name, max_cache_len, tmp_path):
     """A left-padded batch of 20-token prompts: the key transform is fitted, Gemma-3's ring layers (W = 8)
     have wrapped.  The reloaded cache and a deep copy continue exactly like the original."""
     from hf_models import random_ids, tiny_gemma3, tiny_llama
@@ -179,13 +181,14 @@ def test_turboquant_cache_reloads_and_copies_bit_for_bit(model_name, tmp_path):
     ids = random_ids(20, batch=2, seed=3)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    cache = _prefilled(model, ids, mask)
+    cache = _prefilled(model, ids, mask, max_cache_len)
     assert all(layer.cache.key_gain is not None for layer in cache.layers)
     save_turboquant_cache(cache, tmp_path / "prompt.safetensors")
     loaded = load_turboquant_cache(tmp_path / "prompt.safetensors", model.config)
     twin = copy.deepcopy(cache)
     for layer, other in zip(loaded.layers, cache.layers):
         assert_same_cache(layer.cache, other.cache)
+        assert layer.cache.is_static == other.cache.is_static == (max_cache_len is not None)
         assert (layer.dtype, layer.device, layer.sliding_window) == (other.dtype, other.device, other.sliding_window)
     mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
     for token in (torch.tensor([[5], [7]]), torch.tensor([[11], [2]])):

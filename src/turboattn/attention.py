@@ -10,7 +10,7 @@ import torch
 from .cache import QuantizedKVCache
 from .ops.library import run
 from .ops.backend import choose
-from .ops.cached.config import DecodePlan, plan_decode
+from .ops.cached.config import DecodePlan, plan_decode, plan_decode_list
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,9 +57,10 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     cannot see keys the chunk itself overwrote; for prefill, pass the chunk as
     fresh k, v and append it afterwards.
 
-    num_splits fixes the split-K count (default: chosen from the lengths held now); a CUDA
-    graph replayed as the cache grows wants it fixed.  plan overrides the whole launch plan
-    of the Triton kernel (ops/cached/config.py; benchmarks sweep it).
+    num_splits fixes the split-K count (default: chosen from the lengths held now, or from the
+    capacity for a static cache); a CUDA graph replayed as the cache grows wants it fixed.
+    plan overrides the whole launch plan of the Triton kernel (ops/cached/config.py;
+    benchmarks sweep it).
 
     A cache with a key transform (QuantizedKVCache.set_key_transform) is read
     in its stored domain: q / gain against (k - shift) * gain, which differs
@@ -95,17 +96,21 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         raise TypeError(f"plan must be a turboattn.ops.cached.config.DecodePlan, got {type(plan).__name__}")
 
     impl = choose("cached_attention", backend, q.device)
-    if plan is None:
-        plan = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads,
-                           tq * (hq // cache.num_kv_heads), min(cache.max_seen, cache.capacity), num_splits,
-                           kernel=impl)
-    elif num_splits is not None:
-        plan = replace(plan, num_splits=num_splits)
+    rows = tq * (hq // cache.num_kv_heads)
+    shape = (q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows)
+    if plan is not None:
+        plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
+    elif cache.is_static:
+        # Planned for the capacity: the same plan every step, a constant of a compiled graph (a CUDA graph
+        # keeps it), where the lengths held now would be a host read that changes every step.
+        plan_list = plan_decode_list(*shape, cache.capacity, num_splits, kernel=impl)
+    else:
+        plan_list = plan_decode(*shape, min(cache.max_seen, cache.capacity), num_splits, kernel=impl).to_list()
     layout = cache.layout
     return run(
         "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
         layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
-        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan.to_list(), impl)
+        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan_list, impl)
 
 
 def _float(x):

@@ -78,3 +78,77 @@ def test_generate_runs_on_gpu():
                          do_sample=False)
     assert out.shape == (1, 32) and out.device.type == "cuda"
     assert torch.equal(out[:, :16], ids)
+
+
+# -- the static cache under torch.compile and CUDA graphs (tests/test_compile.py is the CPU side) --------
+
+STATIC_LEN = 96
+
+
+def _static_cache(model):
+    return TurboQuantCache(model.config, max_cache_len=STATIC_LEN)
+
+
+@torch.no_grad()
+def test_static_decode_step_has_no_host_sync():
+    """A decode step with the static cache reads nothing back from the GPU: run eagerly under
+    set_sync_debug_mode("error"), which raises on any synchronizing call (.item(), bool(tensor),
+    .tolist(), a device-to-host copy).  A warm-up step first builds the one-time tables."""
+    model = tiny_llama().cuda()
+    ids = random_ids(PREFILL + 2, batch=2).cuda()
+    cache = _static_cache(model)
+    model(input_ids=ids[:, :PREFILL], past_key_values=cache)
+    model(input_ids=ids[:, PREFILL:PREFILL + 1], past_key_values=cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(input_ids=ids[:, PREFILL + 1:], past_key_values=cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cache.get_seq_length().item() == PREFILL + 2
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@torch.no_grad()
+def test_reduce_overhead_decode_loop_matches_eager(factory):
+    """torch.compile(mode="reduce-overhead"): inductor plus CUDA graphs over a hand-written decode loop.
+    One graph, no CUDA-graph skip, 20 steps; logits against the same steps run eagerly.  Both run the same
+    kernels on the same inputs; inductor only reorders the float32 work around them, which can move a
+    kernel's float16 operand or a quantizer cell by one rounding step: the kernel tolerance bounds that."""
+    steps = 20
+    model = factory().cuda()
+    ids = random_ids(PREFILL + steps, batch=2).cuda()
+    want = teacher_forced_logits(model, ids, _static_cache(model), PREFILL)[:, PREFILL:]
+    cache = _static_cache(model)
+    model(input_ids=ids[:, :PREFILL], past_key_values=cache)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(lambda t: model(input_ids=t, past_key_values=cache).logits, mode="reduce-overhead",
+                         fullgraph=True)
+    # A CUDA graph's outputs are overwritten by its next replay: keep copies.
+    got = torch.cat([step(ids[:, s:s + 1]).clone() for s in range(PREFILL, PREFILL + steps)], 1)
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1 and counters["inductor"]["cudagraph_skips"] == 0
+    rel = _rel(got, want)
+    assert rel < REL_TOL, f"relative logit error {rel:.2e}"
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= MIN_ARGMAX_AGREEMENT
+    assert not cache.overflowed
+
+
+@torch.no_grad()
+def test_compiled_generate_on_gpu():
+    """generate(compile_config=...) with transformers' defaults (inductor, reduce-overhead) compiles the decode
+    step (a compileable cache enables it) once; the logits it chose its tokens from are what the eager model
+    gives those tokens, within the kernel tolerance (teacher-forcing its own tokens: no near-tie can diverge)."""
+    model = tiny_llama().cuda()
+    ids = random_ids(PREFILL, batch=2).cuda()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = model.generate(ids, past_key_values=_static_cache(model), max_new_tokens=16, min_new_tokens=16,
+                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                         compile_config=transformers.CompileConfig(fullgraph=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert got.sequences.shape == (2, PREFILL + 16)
+    forced = teacher_forced_logits(model, got.sequences, _static_cache(model), PREFILL)[:, PREFILL - 1:-1]
+    rel = _rel(torch.stack(got.logits, 1), forced)
+    assert rel < REL_TOL, f"relative logit error {rel:.2e}"

@@ -1,9 +1,22 @@
-"""QuantizedKVCache: compressed K/V storage that grows on request, contiguous or ring (sliding window).
+"""QuantizedKVCache: compressed K/V storage, contiguous or ring (sliding window), growing or static.
 
 The tensors (format/layout.py says what each holds) live on the device, so
-decode steps need no host synchronization; a host copy of the lengths makes
-overflow checks free.  The ops take `cache.layout`, a view of those tensors,
-never the cache itself.
+decode steps need no host synchronization.  The ops take `cache.layout`, a
+view of those tensors, never the cache itself.
+
+Two ways to know the lengths:
+
+- growing (default): a host copy of the lengths makes overflow checks free
+  and lets the cache grow (`reserve`); but it is a Python value that changes
+  every step, which torch.compile specializes on (a recompile per step);
+- static (`static=True`): the lengths live on the device only, so append and
+  attention read nothing on the host and a compiled or CUDA-graph-captured
+  decode step is the same every step.  The capacity is fixed.  An append that
+  runs past it cannot be refused without a sync: it stores the tokens that fit
+  (the kernels never write past the last slot), `seen` still counts every
+  token, and `overflowed` turns True; attention then misses the dropped
+  tokens.  Edits (crop, batch selection) and `max_seen` read the lengths back
+  (a sync): they are not decode-step work.
 
 An optional key transform (key_transform.py: shift and gain [B, Hkv, D]) is
 set while the cache is empty; keys are then stored as (k - shift) * gain, and
@@ -30,7 +43,7 @@ from ..ops.library import run
 
 class QuantizedKVCache:
     def __init__(self, codec: KVCodec, batch_size: int, num_kv_heads: int, capacity: int | None = None,
-                 sliding_window: int | None = None, device=None):
+                 sliding_window: int | None = None, device=None, static: bool = False):
         if not isinstance(codec, KVCodec):
             raise TypeError(f"codec must be a turboattn.KVCodec, got {type(codec).__name__}")
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
@@ -45,6 +58,8 @@ class QuantizedKVCache:
             capacity = sliding_window
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if not isinstance(static, bool):
+            raise TypeError(f"static must be a bool, got {type(static).__name__}")
         self.codec = codec
         self.batch_size = batch_size
         self.num_kv_heads = num_kv_heads
@@ -66,11 +81,16 @@ class QuantizedKVCache:
         # Vectors stored with a NaN or infinity, per sequence: counted by the quantize kernel, so that
         # checking costs nothing until someone asks (received_nonfinite).
         self.nonfinite = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
-        self._seen_host = [0] * batch_size
+        # The host copy of `seen` (growing mode only); a static cache keeps just whether anything was
+        # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
+        self._seen_host: list[int] | None = None if static else [0] * batch_size
+        self._empty = True
         self.key_shift: torch.Tensor | None = None
         self.key_gain: torch.Tensor | None = None
         self.key_gain_inv: torch.Tensor | None = None   # 1 / gain, what the kernels multiply q by
         self._key_shifted = False
+        self._key_buffers: tuple[torch.Tensor, ...] | None = None   # static: the transform's fixed storage
+        self._mark_static()
 
     # -- state ---------------------------------------------------------------
     @property
@@ -90,8 +110,41 @@ class QuantizedKVCache:
         return self.seen.clamp(max=self.capacity)
 
     @property
+    def is_static(self) -> bool:
+        """Lengths on the device only, fixed capacity (see the module docstring)."""
+        return self._seen_host is None
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether no token is held: read on the host without a sync in both modes (a static cache
+        tracks whether anything was appended since creation, reset or a crop to zero)."""
+        return self._empty if self.is_static else max(self._seen_host) == 0
+
+    @property
     def max_seen(self) -> int:
-        return max(self._seen_host)
+        """The longest sequence's token count.  A static cache reads it from the device (a sync)."""
+        return int(self.seen.max()) if self.is_static else max(self._seen_host)
+
+    @property
+    def overflowed(self) -> torch.Tensor:
+        """Whether an append ran past the capacity, as a device bool (reading it is a sync).
+
+        Only a static contiguous cache can overflow (the growing one raises, a ring wraps); its
+        overflowing tokens were not stored, so attention since then missed them."""
+        if self.is_ring:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return (self.seen > self.capacity).any()
+
+    def _host_lengths(self) -> list[int]:
+        return self.seen.tolist() if self.is_static else list(self._seen_host)
+
+    def _mark_static(self, tensors=None) -> None:
+        """Tell torch.compile that a static cache's tensors keep their addresses, so that CUDA graphs
+        (mode="reduce-overhead") update them in place rather than copying them each replay.  Not while
+        compiling (a compiled prefill allocates them): that marking is for the next compile."""
+        if self.is_static and not torch.compiler.is_compiling():
+            for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts):
+                torch._dynamo.mark_static_address(t)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +167,9 @@ class QuantizedKVCache:
         self.seen.zero_()
         self.starts.zero_()
         self.nonfinite.zero_()
-        self._seen_host = [0] * self.batch_size
+        if not self.is_static:
+            self._seen_host = [0] * self.batch_size
+        self._empty = True
         self.key_shift = self.key_gain = self.key_gain_inv = None
         self._key_shifted = False
 
@@ -135,15 +190,27 @@ class QuantizedKVCache:
     def set_key_transform(self, shift: torch.Tensor, gain: torch.Tensor) -> None:
         """Store keys as (k - shift) * gain from now on; shift, gain [B, Hkv, D] (key_transform.py).
 
-        Only an empty cache accepts one: keys already stored were coded without it.
+        Only an empty cache accepts one: keys already stored were coded without it.  A static cache
+        copies it into storage of its own, so that its address stays fixed across reset() and prompts.
         """
-        if self.max_seen:
+        if not self.is_empty:
             raise ValueError("set_key_transform needs an empty cache: "
                              f"it already holds up to {self.max_seen} tokens per sequence")
         check_key_transform(shift, gain, (self.batch_size, self.num_kv_heads, self.codec.head_dim), self.device)
-        self.key_shift = shift.to(torch.float32).contiguous()
-        self.key_gain = gain.to(torch.float32).contiguous()
-        self.key_gain_inv = 1.0 / self.key_gain
+        shift, gain = shift.to(torch.float32), gain.to(torch.float32)
+        if self.is_static:
+            if self._key_buffers is None:
+                self._key_buffers = tuple(torch.empty_like(shift, memory_format=torch.contiguous_format)
+                                          for _ in range(3))
+                self._mark_static(self._key_buffers)
+            self.key_shift, self.key_gain, self.key_gain_inv = self._key_buffers
+            self.key_shift.copy_(shift)
+            self.key_gain.copy_(gain)
+            torch.reciprocal(self.key_gain, out=self.key_gain_inv)
+        else:
+            self.key_shift = shift.contiguous()
+            self.key_gain = gain.contiguous()
+            self.key_gain_inv = 1.0 / self.key_gain
         self._key_shifted = bool(self.key_shift.any())
 
     def stored_keys(self, k: torch.Tensor) -> torch.Tensor:
@@ -171,6 +238,8 @@ class QuantizedKVCache:
         if self.is_ring:
             raise ValueError(f"a ring cache holds exactly sliding_window={self.sliding_window} tokens; "
                              f"it cannot reserve {capacity!r}")
+        if self.is_static:
+            raise ValueError(f"a static cache has a fixed capacity ({self.capacity}); it cannot reserve {capacity!r}")
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if capacity <= self.capacity:
@@ -193,7 +262,8 @@ class QuantizedKVCache:
         window needs the W - 1 tokens before it) and raises ValueError for more.  The key transform
         stays: it was fitted to the prompt.
         """
-        old, new = self._seen_host, self.cropped_lengths(max_length)
+        old = self._host_lengths()
+        new = self._cropped(old, max_length)
         new_dev = torch.tensor(new, dtype=torch.int32, device=self.device)
         # Every slot's position, padding included (starts=0): the slots at or past the new length go.
         held = slot_positions(replace(self.layout, starts=torch.zeros_like(self.starts)))
@@ -207,13 +277,17 @@ class QuantizedKVCache:
                      for s, s_new in zip(old, new)]
             self.starts.clamp_(min=torch.tensor(floor, dtype=torch.int32, device=self.device))
         self.seen.copy_(new_dev)
-        self._seen_host = new
+        if not self.is_static:
+            self._seen_host = new
+        self._empty = max(new) == 0
 
     def cropped_lengths(self, max_length: int) -> list[int]:
         """The lengths crop(max_length) would leave per sequence, or its ValueError (nothing changes)."""
+        return self._cropped(self._host_lengths(), max_length)
+
+    def _cropped(self, old: list[int], max_length: int) -> list[int]:
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise ValueError(f"max_length must be an int, got {max_length!r}")
-        old = self._seen_host
         new = [min(s, max_length) if max_length >= 0 else s + max_length for s in old]
         if min(new) < 0:
             raise ValueError(f"crop({max_length}) drops {-max_length} tokens but a sequence holds only {min(old)}")
@@ -229,13 +303,23 @@ class QuantizedKVCache:
         """Keep the sequences `indices` (1-D ints in [0, B), repeats allowed), in that order; B becomes len(indices)."""
         idx = self._batch_indices(indices, "indices")
         idx_dev = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        # A static cache keeps its storage (addresses included, for CUDA graphs) while B stays, as in beam search.
+        in_place = self.is_static and len(idx) == self.batch_size
         for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite",
                      "key_shift", "key_gain", "key_gain_inv"):
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, t.index_select(0, idx_dev))
-        self._seen_host = [self._seen_host[i] for i in idx]
-        self.batch_size = len(idx)
+                picked = t.index_select(0, idx_dev)
+                if in_place:
+                    t.copy_(picked)
+                else:
+                    setattr(self, name, picked)
+        if not self.is_static:
+            self._seen_host = [self._seen_host[i] for i in idx]
+        if not in_place:
+            self.batch_size = len(idx)
+            self._key_buffers = None   # sized for the old batch; a static cache allocates new ones on demand
+            self._mark_static()
         # The host flag may turn off when no shifted sequence is left (indices were read on the host anyway).
         self._key_shifted = self._key_shifted and bool(self.key_shift.any())
 
@@ -300,21 +384,26 @@ class QuantizedKVCache:
 
         `new_lengths[b]` (default T) says how many of the T tokens are real for
         sequence b; the rest (right padding of the chunk) are not stored.  A
-        ring cache keeps the last W tokens; a contiguous cache raises
-        ValueError instead of overflowing.  A vector with a NaN or infinity is
+        ring cache keeps the last W tokens; a growing contiguous cache raises
+        ValueError instead of overflowing; a static one stores what fits and
+        flags the rest (`overflowed`).  A vector with a NaN or infinity is
         stored as NaN and counted in `nonfinite` (no error: checking would sync).
         """
         check_backend(backend)
         self.check_kv(k, v, "append")
         t = k.shape[2]
         n = self._new_lengths(new_lengths, t)
-        if not self.is_ring:
+        if not self.is_ring and not self.is_static:
             worst = max(s + x for s, x in zip(self._seen_host, n))
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
         impl = choose("quantize_append", backend, k.device)
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
+        if self.is_static and not self.is_ring:
+            # The slots left, computed on the device: the kernels write only the tokens that fit.
+            room = (self.capacity - self.seen).clamp(min=0, max=t)
+            n_dev = room if n_dev is None else torch.minimum(n_dev, room)
         run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
             self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
             self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)
@@ -322,7 +411,10 @@ class QuantizedKVCache:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
         else:
             self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
-        self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
+        if self.is_static:
+            self._empty = False
+        else:
+            self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
 
     # -- persistence (persist.py: a safetensors file, no pickle) ----------------------
     def save(self, path) -> None:
@@ -354,6 +446,7 @@ class QuantizedKVCache:
 
     def __repr__(self) -> str:
         kind = f"ring W={self.sliding_window}" if self.is_ring else f"capacity={self.capacity}"
+        kind += ", static" if self.is_static else ""
         return (f"QuantizedKVCache(B={self.batch_size}, Hkv={self.num_kv_heads}, {kind}, "
                 f"k{self.codec.k_bits}v{self.codec.v_bits}, D={self.codec.head_dim}, "
                 f"{'key transform, ' if self.key_gain is not None else ''}"

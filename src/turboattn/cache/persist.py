@@ -6,7 +6,7 @@ in any cache, so they are not written); `seen`, `starts`, `nonfinite` [B] int32;
 cache has a key transform, `key_shift`, `key_gain`, `key_gain_inv` [B, Hkv, D] float32.  Header
 metadata (strings): `kind`, `file_version` (this layout), `format_version` (codec.FORMAT_VERSION:
 what codes and scales mean), `head_dim`, `k_bits`, `v_bits`, `scale_rule`, `batch_size`,
-`num_kv_heads`, `capacity`, `sliding_window` ("none" or an int).
+`num_kv_heads`, `capacity`, `sliding_window` ("none" or an int), `static` ("True" / "False").
 
 Loading checks the kind and both versions, then every tensor's dtype and shape against the header,
 and raises ValueError naming what differs.  `cache_state` / `cache_from_state` take a key prefix, so
@@ -46,7 +46,7 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
             "head_dim": codec.head_dim, "k_bits": codec.k_bits, "v_bits": codec.v_bits,
             "scale_rule": codec.scale_rule, "batch_size": cache.batch_size, "num_kv_heads": cache.num_kv_heads,
             "capacity": cache.capacity, "sliding_window": "none" if cache.sliding_window is None
-            else cache.sliding_window}
+            else cache.sliding_window, "static": cache.is_static}
     # safetensors wants contiguous tensors that share no storage; the file is written from the host.
     return ({prefix + k: t.detach().contiguous().cpu() for k, t in tensors.items()},
             {prefix + k: str(v) for k, v in meta.items()})
@@ -81,6 +81,9 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
         raise ValueError(f"{source}: {e}") from None
     window = None if header("sliding_window") == "none" else integer("sliding_window")
     b, hkv, capacity = integer("batch_size"), integer("num_kv_heads"), integer("capacity")
+    if header("static") not in ("True", "False"):
+        raise ValueError(f"{source}: metadata {prefix + 'static'!r} must be True or False, got {header('static')!r}")
+    static = header("static") == "True"
 
     def tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if prefix + name not in tensors:
@@ -97,25 +100,27 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
         raise ValueError(f"{source}: lengths {seen.tolist()} do not fit capacity={capacity}")
     device = torch.device(device) if device is not None else seen.device
     cache = QuantizedKVCache(codec, b, hkv, capacity=None if window else capacity, sliding_window=window,
-                             device=device)
+                             device=device, static=static)
     if cache.capacity != capacity:
         raise ValueError(f"{source}: capacity {capacity} differs from sliding_window={window}")
     nb = codec.num_blocks
     for name, dtype, last in (("k_codes", torch.uint8, codec.code_bytes("k")), ("k_scales", torch.float32, nb),
                               ("v_codes", torch.uint8, codec.code_bytes("v")), ("v_scales", torch.float32, nb)):
         getattr(cache, name)[:, :, :held] = tensor(name, dtype, (b, hkv, held, last)).to(device)
-    for name in _PER_SEQUENCE:
-        getattr(cache, name).copy_(tensor(name, torch.int32, (b,)))
-    cache._seen_host = seen.tolist()
     present = [prefix + name in tensors for name in _KEY_TRANSFORM]
     if any(present) and not all(present):
         raise ValueError(f"{source}: a key transform needs all of {[prefix + n for n in _KEY_TRANSFORM]}")
-    if all(present):
-        # Set as saved (1 / gain included) rather than through set_key_transform: bit for bit.
+    if all(present):  # set while the cache is still empty; 1 / gain as saved: bit for bit
         shift, gain, gain_inv = (tensor(n, torch.float32, (b, hkv, codec.head_dim)).to(device)
                                  for n in _KEY_TRANSFORM)
-        cache.key_shift, cache.key_gain, cache.key_gain_inv = shift, gain, gain_inv
-        cache._key_shifted = bool(shift.any())
+        cache.set_key_transform(shift, gain)
+        cache.key_gain_inv.copy_(gain_inv)
+    for name in _PER_SEQUENCE:
+        getattr(cache, name).copy_(tensor(name, torch.int32, (b,)))
+    if static:
+        cache._empty = int(seen.max()) == 0
+    else:
+        cache._seen_host = seen.tolist()
     return cache
 
 

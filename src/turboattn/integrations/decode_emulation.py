@@ -34,7 +34,7 @@ class DecodeEmulationLayer(TurboQuantLayer):
         return new
 
     def attend(self, q, k, v, padding_mask, scale, softcap, sinks):
-        if self.cache.max_seen == 0 or q.shape[2] == 1:
+        if self.cache.is_empty or q.shape[2] == 1:
             return super().attend(q, k, v, padding_mask, scale, softcap, sinks)
         t, cache, dev = q.shape[2], self.cache, q.device
         k_past, v_past = cache.dequantize(torch.float32)          # before the chunk: nothing evicted yet

@@ -11,8 +11,10 @@ function with whatever update returned.  A quantized cache cannot hand back
 full K/V without dequantizing all of it, so `TurboQuantLayer.update` returns
 the fresh k, v untouched and hands itself to the attention function through a
 per-thread slot (`_handoff`; update and attention run back to back in every
-attention module); the attention function (`turboattn_attention`) takes the
-layer from the slot and lets it attend:
+attention module, and a thread-local keeps two threads running models apart;
+torch.compile traces it, so a compiled step has no graph break there); the
+attention function (`turboattn_attention`) takes the layer from the slot and
+lets it attend:
 
 - first chunk of a sequence (prefill): `flash_attention` on the fresh K/V;
   then, unless `fit_keys="off"`, the key transform is fitted to the chunk's
@@ -31,6 +33,14 @@ PyTorch reference used on CPU dequantizes internally; the Triton kernels do not)
 Masks: the "turboattn" mask function hands the 2-D padding mask through, and
 the layer turns it into per-sequence left padding (`set_left_padding`).  Only
 left padding is supported, as produced by tokenizers with padding_side="left".
+
+Static mode (`max_cache_len=N`), for torch.compile and CUDA graphs: every full
+layer holds a `QuantizedKVCache(static=True)` of N slots, allocated once
+(sliding layers keep their rings); lengths live on the device,
+`get_seq_length` returns a device tensor and `get_mask_sizes` a fixed width,
+so a decode step reads nothing on the host and compiles once
+(`is_compileable`: transformers' `generate(compile_config=...)` compiles it).
+Prefill runs eagerly, as in transformers' own static caches.
 """
 
 from __future__ import annotations
@@ -54,7 +64,11 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the hf extra
     raise ImportError("turboattn.hf needs transformers>=5.0: pip install 'turboattn[hf]'") from e
 
-# The layer whose update() ran last and whose attention call is still due, per thread.
+# The layer whose update() ran last in this thread and whose attention call is still due.  torch.compile
+# traces a threading.local (dynamo special-cases it): a compiled step guards on the slot being empty and
+# replays its writes; a thread's first compiled call compiles once more (the slot does not exist there yet).
+# A module-level object would trace the same but mix up two threads running models at once.  Keep it a plain
+# threading.local: a subclass with a class-level default tripped an internal dynamo guard check (torch 2.13).
 _handoff = threading.local()
 
 
@@ -65,9 +79,7 @@ def _take_pending_layer():
 
 
 class TurboQuantLayer(CacheLayerMixin):
-    """One attention layer's compressed K/V (a transformers cache layer)."""
-
-    is_compileable = False
+    """One attention layer's compressed K/V (a transformers cache layer); static with max_cache_len."""
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  sliding_window: int | None = None, quantize_current: bool = False,
@@ -79,6 +91,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.quantize_current = quantize_current
         self.max_cache_len = max_cache_len
+        self.is_compileable = max_cache_len is not None   # static: nothing in a step depends on host lengths
         self.cache: QuantizedKVCache | None = None
 
     def __repr__(self):
@@ -92,12 +105,12 @@ class TurboQuantLayer(CacheLayerMixin):
         if not self.is_sliding:
             capacity = self.max_cache_len or max(_INITIAL_CAPACITY, t)
         self.cache = QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=self.sliding_window,
-                                      device=key_states.device)
+                                      device=key_states.device, static=self.is_compileable)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized or (self.cache.max_seen == 0 and not self._fits(key_states)):
+        if not self.is_initialized or (self.cache.is_empty and not self._fits(key_states)):
             self.lazy_initialization(key_states, value_states)  # an empty (reset) cache takes any batch shape
         if getattr(_handoff, "layer", None) is not None:
             _handoff.layer = None
@@ -106,14 +119,24 @@ class TurboQuantLayer(CacheLayerMixin):
         _handoff.layer = self
         return key_states, value_states
 
-    def get_seq_length(self) -> int:
-        return 0 if self.cache is None else self.cache.max_seen
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens seen (the longest sequence).  Static: a 0-d int64 device tensor, as transformers' StaticLayer
+        returns, so that positions computed from it do not turn into a new constant every step."""
+        if self.cache is None:
+            return 0
+        return self.cache.seen.max().to(torch.int64) if self.is_compileable else self.cache.max_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Static: one width for every step (the mask function pads the 2-D mask to it), so that the mask
+        # handed to a compiled step keeps its shape; a mask column is a token position.
+        if self.is_compileable:
+            return self.max_cache_len, 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
-        return self.sliding_window if self.is_sliding else -1
+        if self.is_sliding:
+            return self.sliding_window
+        return self.max_cache_len if self.is_compileable else -1
 
     def reset(self) -> None:
         if self.cache is not None:
@@ -152,13 +175,17 @@ class TurboQuantLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.nbytes
 
+    @property
+    def overflowed(self) -> torch.Tensor | bool:
+        """Static: whether max_cache_len was exceeded (a device bool; QuantizedKVCache.overflowed)."""
+        return False if self.cache is None else self.cache.overflowed
+
     # -- attention -----------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None,
                scale: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of q [B, Hq, T, D] over this layer's past plus the fresh k, v; then store k, v."""
         cache, t = self.cache, q.shape[2]
-        past = cache.max_seen
-        if past == 0:
+        if cache.is_empty:
             keep = self._start_sequences(padding_mask, t)
             out = flash_attention(q, k, v, causal=True, sliding_window=self.sliding_window, mask=keep,
                                   scale=scale, softcap=softcap, sinks=sinks)
@@ -171,7 +198,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self.store(k, v)
             return out
         if t > 1:
-            self._check_no_new_padding(padding_mask, t)
+            self._check_no_new_padding(padding_mask, t)  # a single decode token reads no mask: no sync
         if self.quantize_current:
             if cache.is_ring and t > 1:
                 # Appending first could evict keys that the chunk's earlier queries still see:
@@ -187,32 +214,41 @@ class TurboQuantLayer(CacheLayerMixin):
         return out
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize k, v [B, Hkv, T, D] into this layer's cache, growing it when it has no fixed size."""
+        """Quantize k, v [B, Hkv, T, D] into this layer's cache, growing it unless it is static (a static
+        cache stores what fits and flags the rest: QuantizedKVCache.overflowed)."""
         cache = self.cache
-        need = cache.max_seen + k.shape[2]
-        if not cache.is_ring and need > cache.capacity:
-            if self.max_cache_len is not None:
-                raise ValueError(f"TurboQuantCache(max_cache_len={self.max_cache_len}) cannot hold {need} tokens")
-            cache.reserve(max(need, 2 * cache.capacity))  # doubling keeps the copies amortized O(1) per token
+        if not cache.is_static and not cache.is_ring:
+            need = cache.max_seen + k.shape[2]
+            if need > cache.capacity:
+                cache.reserve(max(need, 2 * cache.capacity))  # doubling keeps the copies amortized O(1) per token
         cache.append(k, v)
 
     def _start_sequences(self, padding_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-        """Read left padding from the first chunk's 2-D mask; return the keep-mask for flash_attention."""
+        """Read left padding from the first chunk's 2-D mask; return the keep-mask for flash_attention (None
+        when nothing is padded).  The chunk is positions 0..t-1: a static cache's wider mask is cut to it."""
         if padding_mask is None:
             return None
-        if padding_mask.dim() != 2 or padding_mask.shape[1] != t:
+        if padding_mask.dim() != 2 or padding_mask.shape[1] < t:
             raise ValueError(f"expected a 2-D padding mask [B, {t}] for the first chunk, got {tuple(padding_mask.shape)}")
-        keep = padding_mask.to(torch.bool)
+        keep = padding_mask[:, :t].to(torch.bool)
         num_pad = (~keep).to(torch.int32).cumprod(dim=1).sum(dim=1)
         positions = torch.arange(t, device=keep.device)[None]
         if not torch.equal(keep, positions >= num_pad[:, None]):
             raise ValueError("TurboQuantCache supports left padding only (tokenizer padding_side='left')")
         self.cache.set_left_padding(num_pad)
+        if not bool(num_pad.any()):
+            return None  # nothing padded: flash_attention's mask-free path
         return keep[:, None, None, :]
 
-    @staticmethod
-    def _check_no_new_padding(padding_mask: torch.Tensor | None, t: int) -> None:
-        if padding_mask is not None and padding_mask.dim() == 2 and not bool(padding_mask[:, -t:].all()):
+    def _check_no_new_padding(self, padding_mask: torch.Tensor | None, t: int) -> None:
+        """A later chunk must be all real tokens.  Column p of the 2-D mask is position p (a static cache's
+        mask is padded on the right to max_cache_len), so the chunk's columns start at seen[b]."""
+        if padding_mask is None or padding_mask.dim() != 2:
+            return
+        cols = self.cache.seen.to(torch.int64)[:, None] + torch.arange(t, device=padding_mask.device)
+        inside = cols < padding_mask.shape[1]
+        chunk = padding_mask.gather(1, cols.clamp(max=padding_mask.shape[1] - 1)).to(torch.bool)
+        if not bool((chunk | ~inside).all()):
             raise ValueError("padding after the first chunk is not supported by TurboQuantCache")
 
 
@@ -238,8 +274,12 @@ class TurboQuantCache(Cache):
     """A transformers `Cache` holding K/V in TurboQuant form, one `TurboQuantLayer` per decoder layer.
 
     Sliding-window layers (e.g. Gemma-3's local layers) get ring caches of
-    exactly `sliding_window` tokens.  `max_cache_len` preallocates the full
-    layers; without it they start small and double as they fill.
+    exactly `sliding_window` tokens.  Without `max_cache_len` the full layers
+    start small and double as they fill.  With it the cache is static, for
+    torch.compile and CUDA graphs: the full layers hold max_cache_len tokens
+    per sequence (prompt plus generated), allocated once; lengths stay on the
+    device; tokens past max_cache_len are not stored and set `overflowed`.
+    Reuse one static cache with `reset()`: the compiled step stays valid.
     `fit_keys` picks the key transform fitted to the prompt (key_transform.py): "balance" (shift
     and channel gain), "center" (shift only) or "off" (keys stored as they come).
     """
@@ -272,6 +312,13 @@ class TurboQuantCache(Cache):
     def nbytes(self) -> int:
         """Bytes allocated for codes and scales over all layers."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def overflowed(self) -> torch.Tensor | bool:
+        """Static: whether a sequence outgrew max_cache_len (a device bool: reading it is a sync).  The
+        tokens past it were not stored and attention missed them; the growing cache never overflows."""
+        flags = [layer.cache.overflowed for layer in self.layers if layer.cache is not None]
+        return torch.stack(flags).any() if flags else False
 
     def nbytes_used(self) -> int:
         """Bytes that the tokens held now occupy, key transforms included (allocation slack excluded)."""
@@ -314,14 +361,18 @@ def turboattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 def turboattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """Mask interface: pass the 2-D padding mask through (None when nothing is padded).
+    """Mask interface: pass the 2-D padding mask through, right-padded to the cache's mask width.
 
     Causality and sliding windows are applied by turboattn itself from token
     positions, so only the padding needs to reach the attention function.
+    Nothing is read on the host (a decode step stays free of syncs); the
+    padding to kv_length keeps one shape across steps for a static cache
+    (get_mask_sizes), as transformers' own mask functions do.
     """
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None:
         return None
-    return attention_mask
+    missing = kv_length + kv_offset - attention_mask.shape[-1]
+    return torch.nn.functional.pad(attention_mask, (0, missing)) if missing > 0 else attention_mask
 
 
 def register() -> None:

@@ -57,6 +57,9 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+# torch.compile calls this while tracing and keeps the name as a constant (it reads no tensor; tracing it
+# would step into importlib through the lru_cache).
+@torch.compiler.assume_constant_result
 def choose(op: str, backend: str, device: torch.device) -> str:
     """The implementation name that serves `op` for tensors on `device` (host only: no tensor is read)."""
     check_backend(backend)
