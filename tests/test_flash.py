@@ -3,8 +3,8 @@
 Shapes are tiny: the interpreter simulates every program.  On the CPU the
 launcher uses 16x16 tiles, so a few dozen tokens already cover several query
 and key tiles, partial tiles, and every segment of the causal / window split.
-fp16 and fp32 only: interpreted tl.dot on bf16 returns garbage (bf16 is tested
-on the GPU, tests/gpu/test_flash_gpu.py).
+Mostly fp16 here; every dtype (bf16 included) at each head dim is in
+tests/test_kernels_dtypes.py, and bf16 on the GPU in tests/gpu/test_flash_gpu.py.
 """
 
 from __future__ import annotations

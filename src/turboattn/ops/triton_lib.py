@@ -1,5 +1,6 @@
 """@triton.jit pieces shared by the kernel families: constants, Hadamard on tensor cores, softcap,
-the online-softmax step, the key transform, and the split-K merge by log-sum-exp.
+the online-softmax step, the key transform, the split-K merge by log-sum-exp, and a dot that the
+interpreter gets right for bfloat16.
 
 Every kernel works in the log2 domain (exp2 is one instruction): scores are
 pre-multiplied by LOG2E, and LSEs are converted back with LN2 where a user sees them.
@@ -17,6 +18,10 @@ from ..format.rotation import walsh_hadamard
 
 LOG2E = tl.constexpr(1.4426950408889634)   # host code reads LOG2E.value
 LN2 = tl.constexpr(0.6931471805599453)
+# Whether @triton.jit builds interpreted functions in this process (TRITON_INTERPRET=1 when the kernel
+# modules are imported; triton.jit reads the same knob).  Branches on it are resolved at compile time,
+# so compiled GPU kernels never contain the interpreter's workarounds.
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @lru_cache(maxsize=None)
@@ -25,6 +30,23 @@ def hadamard_tile(n: int, device: torch.device) -> torch.Tensor:
     (entries ±1 are exact), cached per device and read-only."""
     m = min(n, 128)
     return walsh_hadamard(torch.eye(m, dtype=torch.float32)).to(torch.float16).to(device)
+
+
+@triton.jit
+def dot(a, b, acc=None, input_precision: tl.constexpr = None):
+    """tl.dot(a, b, acc) that is also right for bfloat16 operands under the interpreter.
+
+    Triton's interpreter holds bfloat16 tensors as their uint16 bit patterns, and its dot
+    multiplies those integers (Triton 3.9: relative error ~1e9, no error raised).  There the
+    operands are widened to float32 first: exact, and what the GPU's bf16 MMA computes (exact
+    products, float32 sums).  Compiled, the branch vanishes and the dot stays bf16.
+    """
+    if INTERPRETED:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=input_precision)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_lib import LOG2E, online_softmax, tanh
+from ..triton_lib import LOG2E, dot, online_softmax, tanh
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _tile_update(acc, m_i, l_i, q, k, v, offs_n, q_pos, slope, kv_lo, Lk, window
     Scores are in log2 units: qk_scale = scale*log2(e) (or scale/softcap with
     softcap pre-multiplied by log2(e)); slope and bias are pre-multiplied too.
     """
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         s = softcap * tanh(s * qk_scale)
     else:
@@ -42,7 +42,7 @@ def _tile_update(acc, m_i, l_i, q, k, v, offs_n, q_pos, slope, kv_lo, Lk, window
     # A row with nothing visible so far keeps m = -inf (only possible on masked tiles).
     p, m_new, alpha, l_i = online_softmax(s, m_i, l_i, MASKED)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    acc = dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
