@@ -149,3 +149,165 @@ def test_bench_arguments_parse():
 def test_bench_without_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         cli.main(["bench", "sanitize-cases"])
+
+
+# -- what a new user meets: one-line errors before any work, defaults shown, fresh result paths ----------------
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit status, stderr) of `turboattn <argv>` run in this process."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: bad arguments must be refused before."""
+    from turboattn.cli import models
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(models, "load_model", load_model)
+
+
+BAD_ARGUMENTS = [
+    (["demo", "--preset", "foo"], "argument --preset: presets look like k4v4, got 'foo'"),
+    (["demo", "--preset", "k9v4"], "bits of 'k9v4' must be in (2, 3, 4, 5, 6, 8)"),
+    (["demo", "--synthetic", "--preset", "k9v4"], "bits of 'k9v4'"),
+    (["demo", "--synthetic", "--prompt", "hi"], "--prompt does not apply to --synthetic"),
+    (["demo", "--synthetic", "--max-new-tokens", "8"], "--max-new-tokens does not apply to --synthetic"),
+    (["demo", "--head-dim", "64"], "--head-dim does not apply to the model demo"),
+    (["demo", "--synthetic", "--head-dim", "96"], "argument --head-dim: invalid choice: 96"),
+    (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive int, got '0'"),
+    (["demo", "--eval-tokens", "-1"], "argument --eval-tokens: expected an int >= 0, got '-1'"),
+    (["demo", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["eval", "--presets", "k9v9"], "argument --presets: bits of 'k9v9' must be in"),
+    (["eval", "--presets", "k4v4,"], "argument --presets: expected a comma list"),
+    (["eval", "--prefill", "0"], "argument --prefill: expected a positive int, got '0'"),
+    (["eval", "--scored", "x"], "argument --scored: expected a positive int, got 'x'"),
+    (["eval", "--rules", "foo"], "argument --rules: 'foo' is not one of rms, corrected, lsq"),
+    (["eval", "--modes", "fast"], "argument --modes: 'fast' is not one of decode, strict"),
+    (["eval", "--key-fit", "center,x"], "argument --key-fit: 'x' is not one of"),
+    (["eval", "--peers", "all,hqq-4"], "argument --peers: 'all' stands alone"),
+    (["eval", "--passkey-lengths", "512,0"], "argument --passkey-lengths: expected positive ints"),
+    (["eval", "--passkey-presets", "k4v4"], "--passkey-presets needs --passkey-lengths"),
+    (["eval", "--out", "results.txt"], "--out names the results JSON"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_stop_with_one_line_before_loading_a_model(argv, message, capsys, no_model):
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert message in err and "error:" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without a GPU")
+def test_demo_on_cuda_without_a_gpu_says_so(capsys, no_model):
+    code, err = run_cli(["demo", "--device", "cuda"], capsys)
+    assert code == 2 and err == "turboattn: error: --device cuda: no CUDA GPU is visible to torch\n"
+
+
+def test_eval_markdown_of_a_missing_or_foreign_file(tmp_path, capsys, no_model):
+    code, err = run_cli(["eval", "--markdown", str(tmp_path / "missing.json")], capsys)
+    assert code == 2 and err == f"turboattn: error: No such file or directory: {tmp_path / 'missing.json'}\n"
+    (tmp_path / "notes.json").write_text("not json")
+    code, err = run_cli(["eval", "--markdown", str(tmp_path / "notes.json")], capsys)
+    assert code == 2 and err.startswith(f"turboattn: error: {tmp_path / 'notes.json'} is not JSON (")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    code, err = run_cli(["eval", "--markdown", str(tmp_path / "other.json")], capsys)
+    assert code == 2 and "is not a `turboattn eval` results file" in err and len(err.splitlines()) == 1
+
+
+def test_eval_markdown_keeps_an_existing_plot(tmp_path, capsys, no_model):
+    """Printing QUALITY.md's tables from committed results must not redraw the committed plot."""
+    saved = tmp_path / "quality_smollm2.json"
+    saved.write_bytes((Path(__file__).resolve().parents[1] / "benchmarks" / "quality_smollm2.json").read_bytes())
+    png = saved.with_suffix(".png")
+    png.write_bytes(b"the committed plot")
+    code, err = run_cli(["eval", "--markdown", str(saved)], capsys)
+    assert code == 0 and png.read_bytes() == b"the committed plot" and "--overwrite redraws it" in err
+
+
+def test_eval_refuses_to_overwrite_results(tmp_path, capsys, no_model):
+    out = tmp_path / "quality.json"
+    out.write_text("{}")
+    code, err = run_cli(["eval", "--out", str(out)], capsys)
+    assert code == 2 and err.startswith(f"turboattn: error: {out} already exists; pass --overwrite to replace")
+    assert out.read_text() == "{}"
+
+
+def test_bench_refuses_to_overwrite_results(tmp_path, capsys):
+    (tmp_path / "decode.json").write_text("{}")
+    code, err = run_cli(["bench", "decode", "--out", str(tmp_path)], capsys)
+    assert code == 2 and f"{tmp_path / 'decode.json'} already exists; pass --overwrite" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_results_go_to_a_fresh_path_by_default(tmp_path, monkeypatch):
+    from turboattn.cli import eval as ev
+    from turboattn.cli.args import RUNS_DIR, fresh_path
+    monkeypatch.chdir(tmp_path)
+    args = cli.build_parser().parse_args(["eval"])
+    first = ev._out_path(args)
+    assert args.out is None and first.parent == RUNS_DIR and first.name.startswith("quality_smollm2-")
+    assert first.suffix == ".json" and not first.exists()
+    first.parent.mkdir()
+    first.write_text("{}")
+    second = fresh_path("quality_smollm2", ".json")
+    assert second != first and not second.exists() and second.parent == RUNS_DIR
+    assert "/runs/" in (Path(__file__).resolve().parents[1] / ".gitignore").read_text().split()
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    def parsers(p, path):
+        yield path, p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from parsers(sub, f"{path} {name}")
+
+    for path, p in parsers(cli.build_parser(), "turboattn"):
+        text = " ".join(p.format_help().split())
+        for a in p._actions:
+            if not a.option_strings or isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help, f"{path} {a.option_strings[0]} has no help text"
+            if a.default not in (None, False, []) and not isinstance(a.default, bool):
+                assert "default:" in a.help or "(default: " in text, f"{path} {a.option_strings[0]}"
+    demo_help = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["demo"].format_help().split())
+    for shown in ("(default: k4v4;", "tokens each cache generates (default: 64)", "(default: corrected)",
+                  "(default: 128)"):
+        assert shown in demo_help
+
+
+def test_demo_synthetic_uses_preset_and_scale_rule(capsys, wide):
+    assert cli.main(["demo", "--synthetic", "--preset", "k5v3", "--scale-rule", "rms", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["k5v3"]
+    assert int(rows[0][1]) == ta.KVCodec(64, 5, 3, "rms").bytes_per_token()
+    text = " ".join(out.split())   # rich wraps the title and caption to the table's width
+    assert "head_dim=64, 4096 tokens, scale rule rms" in text
+    assert "K error" in text and "error: ||x̂ - x|| / ||x|| over all 4096 vectors" in text  # says what it measures
+
+
+def test_a_missing_extra_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)   # `import transformers` raises ImportError
+    code, err = run_cli(["demo", "--eval-tokens", "0"], capsys)
+    assert code == 2 and err == ("turboattn: error: this command needs the 'transformers' package: "
+                                 "pip install 'turboattn[hf]'\n")
+
+
+def test_console_script_error_is_one_line():
+    script = Path(sys.executable).with_name("turboattn")
+    out = subprocess.run([str(script), "demo", "--preset", "foo"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("turboattn demo: error: argument --preset: presets look like k4v4, got 'foo' "
+                          "(`turboattn demo --help` lists the options)\n")

@@ -122,6 +122,11 @@ def _state(cache):
 
 @pytest.mark.parametrize("make,exc,match", [
     (lambda: (torch.zeros(2, 2, 1, 64, dtype=torch.int8),) * 2, TypeError, "k dtype must be one of"),
+    # The attention functions take float16, bfloat16 and float32; so does append (the kernels' dtypes).
+    (lambda: (torch.zeros(2, 2, 1, 64, dtype=torch.float64),) * 2, TypeError,
+     "k dtype must be one of float16, bfloat16, float32, got float64"),
+    (lambda: (torch.zeros(2, 2, 1, 64), torch.zeros(2, 2, 1, 64, dtype=torch.float64)), TypeError,
+     "v dtype must be one of float16, bfloat16, float32, got float64"),
     (lambda: (torch.zeros(2, 2, 1, 64), torch.zeros(2, 2, 1, 64, dtype=torch.float16)), TypeError, "v dtype .* differs from k dtype"),
     (lambda: (torch.zeros(2, 2, 1, 64, device="meta"),) * 2, ValueError, "k is on meta but the cache is on cpu"),
     (lambda: (torch.zeros(2, 2, 1, 64), torch.zeros(2, 2, 1, 64, device="meta")), ValueError, "v is on meta"),
@@ -196,7 +201,11 @@ def test_triton_on_cpu_needs_the_interpreter(cache, no_work, monkeypatch):
     (lambda c: dict(q="q", cache=c), TypeError, "q must be a torch.Tensor"),
     (lambda c: dict(q=torch.zeros(2, 4, 1, 64), cache="cache"), TypeError, "cache must be a turboattn.QuantizedKVCache"),
     (lambda c: dict(q=torch.zeros(2, 4, 64), cache=c), ValueError, "q must have 4 dims"),
-    (lambda c: dict(q=torch.zeros(2, 4, 1, 64, dtype=torch.float64), cache=c), TypeError, "q dtype must be one of"),
+    (lambda c: dict(q=torch.zeros(2, 4, 1, 64, dtype=torch.float64), cache=c), TypeError,
+     "q dtype must be one of float16, bfloat16, float32, got float64"),
+    (lambda c: dict(q=torch.zeros(2, 4, 1, 64), cache=c, k=torch.zeros(2, 2, 1, 64, dtype=torch.float64),
+                    v=torch.zeros(2, 2, 1, 64, dtype=torch.float64)), TypeError, "k dtype must be one of float16, "
+     "bfloat16, float32, got float64"),
     (lambda c: dict(q=torch.zeros(3, 4, 1, 64), cache=c), ValueError, r"q must be \[B=2, Hq, Tq>=1, D=64\]"),
     (lambda c: dict(q=torch.zeros(2, 4, 1, 128), cache=c), ValueError, "D=64"),
     (lambda c: dict(q=torch.zeros(2, 4, 0, 64), cache=c), ValueError, "Tq>=1"),

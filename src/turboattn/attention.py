@@ -8,11 +8,10 @@ from dataclasses import replace
 import torch
 
 from .cache import QuantizedKVCache
+from .format.codec import check_attention_dtype
 from .ops.library import run
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode, plan_decode_list
-
-ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_tensor(name: str, t, dims: int) -> None:
@@ -20,8 +19,7 @@ def _check_tensor(name: str, t, dims: int) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != dims:
         raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in ATTN_DTYPES:
-        raise TypeError(f"{name} dtype must be one of {ATTN_DTYPES}, got {t.dtype}")
+    check_attention_dtype(name, t)
 
 
 def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) -> None:

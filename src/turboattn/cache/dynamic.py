@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from ..format.codec import FLOAT_DTYPES, KVCodec
+from ..format.codec import KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, slot_positions
 from ..ops.backend import check_backend, choose
@@ -358,8 +358,7 @@ class QuantizedKVCache:
         for label, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{label} dtype must be one of {FLOAT_DTYPES}, got {t.dtype}")
+            check_attention_dtype(label, t)
             if t.device != self.device:
                 raise ValueError(f"{label} is on {t.device} but the cache is on {self.device}")
         want = (self.batch_size, self.num_kv_heads)

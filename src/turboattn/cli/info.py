@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 
 import torch
 
@@ -65,3 +66,17 @@ def print_info() -> None:
                  "and compression vs bf16",
                  ["k_bits", "v_bits"] + [f"D={d}" for d in SUPPORTED_HEAD_DIMS],
                  [[str(kb), str(vb), *row] for (kb, vb), row in cells.items()])
+
+
+def build_kernels() -> int:
+    """`turboattn info --build-kernels`: build the CUDA decode kernel ahead of the first decode step."""
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to build (the CPU path runs plain PyTorch)")
+        return 0
+    from ..ops.cached.cuda import build_extension
+    t0 = time.time()
+    built = build_extension()
+    what = "ready" if built else "not built (the Triton kernels serve every call instead)"
+    print(f"CUDA decode kernel: {what}, {time.time() - t0:.0f} s; torch keeps the build under $TORCH_EXTENSIONS_DIR "
+          "(default ~/.cache/torch_extensions)")
+    return 0

@@ -1,13 +1,25 @@
-"""The `turboattn` command: info, demo, bench, eval."""
+"""The `turboattn` command: info, demo, bench, eval.
+
+Bad arguments stop the command before any model is loaded or any result written, with one line
+on stderr (`turboattn: error: ...`, or argparse's usage line and `error: ...`) and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .args import ArgumentParser, CLIError, HelpFormatter
+
+# What a missing optional dependency means for the user (module -> extra that brings it).
+EXTRAS = {"transformers": "hf", "gguf": "hf", "accelerate": "hf", "rich": "bench", "matplotlib": "bench",
+          "triton": "triton"}
+
 
 def _cmd_info(args) -> int:
-    from .info import print_info
+    from .info import build_kernels, print_info
+    if args.build_kernels:
+        return build_kernels()
     print_info()
     return 0
 
@@ -28,36 +40,65 @@ def _cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="turboattn", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = ArgumentParser(prog="turboattn", description=__doc__, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command",
+                                help="info, demo, bench, eval (each takes --help)")
 
-    p = sub.add_parser("info", help="versions, device and the table of cache formats")
+    def add(name: str, summary: str, module_doc: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=module_doc or summary, formatter_class=HelpFormatter)
+
+    p = add("info", "versions, device and the table of cache formats")
+    p.add_argument("--build-kernels", action="store_true",
+                   help="build the CUDA decode kernel now (nvcc, about a minute, once per machine: torch caches "
+                        "the build) instead of at the first decode step; `make install` runs this on GPU machines")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("demo", help="the main demo")
-    from .demo import add_arguments as demo_args
-    demo_args(p)
-    p.set_defaults(func=_cmd_demo)
+    from . import demo
+    p = add("demo", "SmolLM2 answers a prompt with a compressed and with an exact KV cache", demo.__doc__)
+    demo.add_arguments(p)
+    p.set_defaults(func=_cmd_demo, parser=p)
 
-    p = sub.add_parser("bench", help="GPU benchmarks (decode, quantize, prefill)")
-    from .bench import add_arguments as bench_args
-    bench_args(p)
+    from . import bench
+    p = add("bench", "GPU benchmarks (decode, quantize, prefill, ...)", bench.__doc__)
+    bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("eval", help="model-quality evaluation of cache presets")
+    p = add("eval", "model-quality evaluation of cache presets")
     try:
-        from .eval import add_arguments as eval_args
-    except ImportError:  # evaluate needs the hf extra
-        eval_args = None
-    if eval_args is not None:
-        eval_args(p)
+        from . import eval as ev
+    except ImportError:  # eval needs the hf extra; `turboattn eval` then says so (_missing_extra)
+        ev = None
+    if ev is not None:
+        p.description = ev.__doc__
+        ev.add_arguments(p)
     p.set_defaults(func=_cmd_eval)
     return parser
 
 
+def _missing_extra(e: ImportError) -> str:
+    top = (e.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        raise e  # not an optional dependency: a bug, keep the traceback
+    return f"this command needs the {top!r} package: pip install 'turboattn[{extra}]'"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CLIError as e:
+        message = str(e)
+    except ImportError as e:
+        message = _missing_extra(e)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        # The loaders' own messages say what to install; a plain file error names the file.
+        message = str(e) if e.filename is None else f"{e.strerror}: {e.filename}"
+    except KeyboardInterrupt:
+        print("turboattn: interrupted", file=sys.stderr)
+        return 130
+    print(f"turboattn: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ FORMAT_VERSION = 1
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SCALE_RULES = ("rms", "corrected", "lsq")
 NORM_BLOCK = 256
+# KVCodec.quantize codes these (float64 too: the reference format, exact tests); the cache and the attention
+# entry points take ATTENTION_DTYPES, the kernels' dtypes, and check them with check_attention_dtype.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 Kind = Literal["k", "v"]
 
 # Bit planes per width: a b-bit code is split into planes of 4, 2 and 1 bits
@@ -157,6 +160,13 @@ def check_coding_options(k_bits, v_bits, scale_rule) -> None:
             raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+
+
+def check_attention_dtype(name: str, t: torch.Tensor) -> None:
+    """TypeError naming the argument unless t's dtype is one the cache and attention take (ATTENTION_DTYPES)."""
+    if t.dtype not in ATTENTION_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in ATTENTION_DTYPES)
+        raise TypeError(f"{name} dtype must be one of {allowed}, got {str(t.dtype).removeprefix('torch.')}")
 
 
 @dataclass(frozen=True)

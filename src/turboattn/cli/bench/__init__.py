@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
+
+from ..args import HelpFormatter, fresh_path, refuse_overwrite
 
 # suite -> (module, one-line help)
 SUITES = {
@@ -18,6 +21,16 @@ SUITES = {
     "key-transform": ("key_transform", "a decode step's cost with and without the key transform"),
     "sanitize-cases": ("sanitize", "small decode cases to run under compute-sanitizer"),
     "generate": ("generate", "end-to-end model.generate ms per token, turboattn vs transformers bf16"),
+}
+# The files each suite writes into --out (checked before the run: no GPU time is spent on results that
+# could not be saved).
+OUTPUTS = {
+    "decode": ("decode.json", "decode.png"),
+    "quantize": ("quantize.json",),
+    "prefill": ("prefill.json", "prefill.png", "prefill_window.png"),
+    "decode-sweep": ("decode_sweep.json",),
+    "key-transform": ("key_transform.json",),
+    "generate": ("generate.json",),
 }
 
 
@@ -31,9 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_, summary) in SUITES.items():
         module = _module(name)
         p = sub.add_parser(name, help=summary, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=HelpFormatter)
         module.add_arguments(p)
 
 
+def _outputs(args) -> tuple[str, ...]:
+    if args.suite == "prefill" and (args.configs or args.decode_configs):
+        return ("prefill_configs.json",)
+    return OUTPUTS[args.suite]
+
+
 def run_bench(args) -> int:
+    if getattr(args, "out", False) is None:
+        args.out = str(fresh_path(f"bench-{args.suite}"))
+    elif args.suite in OUTPUTS:
+        refuse_overwrite([Path(args.out) / name for name in _outputs(args)], args.overwrite)
     return _module(args.suite).run(args)

@@ -37,10 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 
+from ..args import (CLIError, add_overwrite, choices, fresh_path, parse_bits, positive_int, positive_ints,
+                    refuse_overwrite)
 from ..corpus import CORPUS_INFO, corpus_text
 from .methods import (FIT_SUFFIX, MAIN_PRESETS, MIXED_CANDIDATES, PEERS, RULES, Method, bits_per_element,
                       parse_preset, reference_method, turbo_method)
@@ -67,42 +70,96 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _preset_list(text: str) -> list[str]:
+    """"k4v4,mixed" -> ["k4v4", "mixed"]: presets the codec has, and "mixed" (resolved per model)."""
+    items = [x.strip() for x in text.split(",")]
+    if not text.strip() or any(not x for x in items):
+        raise argparse.ArgumentTypeError(f"expected a comma list of presets like k4v4, got {text!r}")
+    for item in items:
+        if item != "mixed":
+            parse_bits(item)
+    return items
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
-    parser.add_argument("--presets", default=",".join(MAIN_PRESETS) + ",mixed",
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"),
+                        help="the model, from its PyPI package (cli/models.py)")
+    parser.add_argument("--presets", type=_preset_list, default=",".join(MAIN_PRESETS) + ",mixed",
+                        metavar="LIST",
                         help="comma list of kKvV presets; 'mixed' adds the <=4.25 bits/element candidates")
-    parser.add_argument("--rules", default="corrected", help="comma list of scale rules (rms, corrected, lsq)")
-    parser.add_argument("--modes", default="decode,strict", help="decode (library default) and/or strict")
-    parser.add_argument("--key-fit", default="center",
+    parser.add_argument("--rules", type=choices(*RULES), default="corrected", metavar="LIST",
+                        help=f"comma list of scale rules from {', '.join(RULES)}")
+    parser.add_argument("--modes", type=choices("decode", "strict"), default="decode,strict", metavar="LIST",
+                        help="decode (the library default) and/or strict (module docstring)")
+    parser.add_argument("--key-fit", type=choices(*FIT_SUFFIX), default="center", metavar="LIST",
                         help="comma list of key transforms: center (library default), balance, off "
-                             "(see key_transform.py)")
-    parser.add_argument("--peers", default="", help=f"every-token runs of peers: comma list from {PEERS}, or 'all'")
-    parser.add_argument("--peer-defaults", default="",
-                        help="peers to run also with their default 128 full-precision recent tokens (token by token)")
+                             "(see format/key_transform.py)")
+    parser.add_argument("--peers", type=choices(*PEERS, extra=("all",)), default=[], metavar="LIST",
+                        help=f"every-token runs of peers: comma list from {', '.join(PEERS)}, or 'all' "
+                             "(default: none)")
+    parser.add_argument("--peer-defaults", type=choices(*PEERS, extra=("all",)), default=[], metavar="LIST",
+                        help="peers to run also with their default 128 full-precision recent tokens, token by token "
+                             "(default: none)")
     parser.add_argument("--exact-decode", action="store_true",
                         help="step decode mode token by token instead of the (tested-equal) chunked emulation")
-    parser.add_argument("--segments", type=int, default=2, help="corpus windows")
-    parser.add_argument("--prefill", type=int, default=256, help="prompt tokens per window")
-    parser.add_argument("--scored", type=int, default=256, help="decode positions scored per window")
-    parser.add_argument("--passkey-lengths", default="", help="comma list of context lengths, e.g. 512,1024")
-    parser.add_argument("--passkey-trials", type=int, default=5)
-    parser.add_argument("--passkey-presets", default="", help="presets (rule corrected, decode mode) for passkey")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/quality_<model>.json)")
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--markdown", metavar="JSON", default=None,
-                        help="print the QUALITY.md tables (and redraw the plot) of an existing results JSON, run nothing")
+    parser.add_argument("--segments", type=positive_int, default=2, metavar="N", help="corpus windows")
+    parser.add_argument("--prefill", type=positive_int, default=256, metavar="N", help="prompt tokens per window")
+    parser.add_argument("--scored", type=positive_int, default=256, metavar="N",
+                        help="decode positions scored per window")
+    parser.add_argument("--passkey-lengths", type=positive_ints, default=[], metavar="LIST",
+                        help="comma list of context lengths, e.g. 512,1024 (default: no passkey test)")
+    parser.add_argument("--passkey-trials", type=positive_int, default=5, metavar="N",
+                        help="passkey trials per length")
+    parser.add_argument("--passkey-presets", type=_preset_list, default=[], metavar="LIST",
+                        help="presets (rule corrected, decode mode) for passkey, besides the reference (default: none)")
+    parser.add_argument("--out", type=Path, default=None, metavar="JSON",
+                        help="results JSON, the plot beside it as .png (default: a new file "
+                             "runs/quality_<model>-<time>.json; an existing file only with --overwrite)")
+    add_overwrite(parser)
+    parser.add_argument("--no-plot", action="store_true", help="skip the perplexity-vs-bits plot")
+    parser.add_argument("--markdown", metavar="JSON", type=Path, default=None,
+                        help="print the QUALITY.md tables of an existing results JSON, and draw its plot beside it "
+                             "(an existing plot only with --overwrite); run nothing")
 
 
-def _resolve_presets(spec: str, head_dim: int) -> list[str]:
+def _resolve_presets(spec, head_dim: int) -> list[str]:
     out = []
-    for p in spec.split(","):
+    for p in (spec.split(",") if isinstance(spec, str) else spec):
         p = p.strip()
         if p == "mixed":
             out += [c for c in MIXED_CANDIDATES.get(head_dim, ()) if c not in out]
-        elif p:
+        elif p and p not in out:
             parse_preset(p)
             out.append(p)
     return out
+
+
+def _markdown(args) -> int:
+    try:
+        saved = json.loads(args.markdown.read_text())
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{args.markdown} is not JSON ({e})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("results"), dict):
+        raise CLIError(f"{args.markdown} is not a `turboattn eval` results file (no 'results' table)")
+    print(markdown_tables(saved))
+    png = args.markdown.with_suffix(".png")
+    if args.no_plot:
+        pass
+    elif png.exists() and not args.overwrite:
+        print(f"(kept {png}; --overwrite redraws it)", file=sys.stderr)
+    else:
+        plot(saved, png)
+    return 0
+
+
+def _out_path(args) -> Path:
+    """Where the results go: --out (an existing file only with --overwrite), else a new file under runs/."""
+    if args.out is None:
+        return fresh_path(f"quality_{args.model}", ".json")
+    if args.out.suffix != ".json":
+        raise CLIError(f"--out names the results JSON (the plot goes beside it), got {str(args.out)!r}")
+    refuse_overwrite([args.out] + ([] if args.no_plot else [args.out.with_suffix(".png")]), args.overwrite)
+    return args.out
 
 
 def run_eval(args) -> int:
@@ -111,13 +168,20 @@ def run_eval(args) -> int:
 
     from ..models import load_model
 
-    console = Console()
     if args.markdown:
-        saved = json.loads(Path(args.markdown).read_text())
-        print(markdown_tables(saved))
-        if not args.no_plot:
-            plot(saved, Path(args.markdown).with_suffix(".png"))
-        return 0
+        return _markdown(args)
+    # Everything the arguments decide is checked before the model loads.
+    out = _out_path(args)
+    if not Path(CORPUS_INFO["path"]).is_file():
+        raise CLIError(f"the evaluation text {CORPUS_INFO['path']} is missing: {CORPUS_INFO['package']}")
+    rules, modes, fits = args.rules, args.modes, args.key_fit
+    peers = list(PEERS) if args.peers == ["all"] else args.peers
+    peer_defaults = list(PEERS) if args.peer_defaults == ["all"] else args.peer_defaults
+    lengths = args.passkey_lengths
+    if args.passkey_presets and not lengths:
+        raise CLIError("--passkey-presets needs --passkey-lengths")
+
+    console = Console()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -125,14 +189,10 @@ def run_eval(args) -> int:
     text_cfg = model.config.get_text_config()
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
     presets = _resolve_presets(args.presets, head_dim)
-    rules = [r for r in args.rules.split(",") if r]
-    modes = [m for m in args.modes.split(",") if m]
-    peers = list(PEERS) if args.peers == "all" else [p for p in args.peers.split(",") if p]
-    peer_defaults = list(PEERS) if args.peer_defaults == "all" else [p for p in args.peer_defaults.split(",") if p]
-
-    fits = [f for f in args.key_fit.split(",") if f]
-    if not fits or any(f not in FIT_SUFFIX for f in fits):
-        raise SystemExit(f"--key-fit takes a comma list of {tuple(FIT_SUFFIX)}, got {args.key_fit!r}")
+    longest = max([args.prefill + args.scored + 1] + lengths)
+    if longest > text_cfg.max_position_embeddings:
+        raise CLIError(f"{args.model} takes at most {text_cfg.max_position_embeddings} positions; --prefill + "
+                       f"--scored + 1 and --passkey-lengths must fit (got {longest})")
     methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f)
                for p in presets for r in rules for m in modes for f in fits]
     skipped = {}
@@ -146,10 +206,12 @@ def run_eval(args) -> int:
         if peer in peer_defaults:
             methods.append(peer_default_method(peer))
 
-    segments = eval_tokens(tok, args.segments, args.prefill + args.scored + 1)
+    try:
+        segments = eval_tokens(tok, args.segments, args.prefill + args.scored + 1)
+    except ValueError as e:
+        raise CLIError(f"{e}: lower --segments, --prefill or --scored") from None
     recorder = AttnRecorder(model)
     results, passkey_trials = {}, {}
-    out = Path(args.out or f"benchmarks/quality_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def report(passkey=None):
@@ -190,11 +252,10 @@ def run_eval(args) -> int:
     recorder.close()
 
     passkey = {}
-    lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
     if lengths:
         from transformers import DynamicCache
         pk_methods = {"reference": lambda m: DynamicCache(config=m.config)}
-        for p in [p for p in args.passkey_presets.split(",") if p]:
+        for p in _resolve_presets(args.passkey_presets, head_dim):
             for fit in fits:
                 pk_methods[p + FIT_SUFFIX[fit]] = turbo_method(p, "corrected", "decode", exact_decode=True,
                                                                          fit_keys=fit).make_cache

@@ -77,6 +77,8 @@ def eval_tokens(tokenizer, segments: int, length: int) -> list[torch.Tensor]:
     """`segments` disjoint windows of `length` tokens, spread over the corpus."""
     text = corpus_text()
     ids = tokenizer(text[: len(text) // 2], return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if segments * length > ids.numel():
+        raise ValueError(f"{segments} windows of {length} tokens do not fit in the corpus' {ids.numel()} tokens")
     stride = (ids.numel() - length) // max(segments, 1)
     out = []
     for i in range(segments):

@@ -41,6 +41,12 @@ def _extension():
         return None
 
 
+def build_extension() -> bool:
+    """Build the kernel now (or load torch's cached build): False, with the warning, when it cannot be built.
+    Otherwise the first decode step on a GPU builds it (about a minute of nvcc, once per machine)."""
+    return _extension() is not None
+
+
 @lru_cache(maxsize=None)
 def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
