@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _outputs(args) -> tuple[str, ...]:
     if args.suite == "prefill" and (args.configs or args.decode_configs):
         return ("prefill_configs.json",)
+    if args.suite == "generate":
+        return (f"generate_{args.model}.json", f"generate_{args.model}.png")
     return OUTPUTS[args.suite]
 
 

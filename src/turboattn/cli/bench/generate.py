@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from .args import add_out, positive_int
+from ..args import positive_int, preset
+from .args import add_out
 from .common import environment, print_table, require_cuda, write_results
 
 MODEL_SHAPES = {
@@ -60,31 +61,17 @@ def _paths(text: str) -> list[str]:
     return out
 
 
-def _bits(text: str) -> tuple[int, int]:
-    import argparse
-
-    from ...format.codec import check_coding_options
-    try:
-        k_bits, v_bits = (int(x) for x in text.split(","))
-        check_coding_options(k_bits, v_bits, "corrected")
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"expected K,V bits (e.g. 4,4), got {text!r}: {e}") from None
-    return k_bits, v_bits
-
-
 def add_arguments(parser) -> None:
     add_out(parser)
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="8b",
-                        help="model shape, random weights (default 8b: Llama-3-8B; 1b: Llama-3.2-1B)")
-    parser.add_argument("--grid", type=_grid, default=_grid("1x32768"),
-                        help="comma list of BATCHxCONTEXT (default 1x32768)")
-    parser.add_argument("--paths", type=_paths, default=list(PATHS),
-                        help=f"comma list of paths to time (default all: {','.join(PATHS)})")
-    parser.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed (default 32)")
+                        help="model shape, random weights: 8b is Llama-3-8B, 1b Llama-3.2-1B")
+    parser.add_argument("--grid", type=_grid, default="1x32768", help="comma list of BATCHxCONTEXT")
+    parser.add_argument("--paths", type=_paths, default=",".join(PATHS), help="comma list of paths to time")
+    parser.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="decoder layers (default: the model shape's)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per generate measurement (median)")
-    parser.add_argument("--bits", type=_bits, default=(4, 4), help="K,V bits of the turboattn cache (default 4,4)")
+    parser.add_argument("--bits", type=preset, default="k4v4", help="bits of the turboattn cache")
 
 
 def _model(shape: str, layers: int | None):
