@@ -143,7 +143,8 @@ class QuantizedKVCache:
         (mode="reduce-overhead") update them in place rather than copying them each replay.  Not while
         compiling (a compiled prefill allocates them): that marking is for the next compile."""
         if self.is_static and not torch.compiler.is_compiling():
-            for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts):
+            for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts,
+                                 self.nonfinite):
                 torch._dynamo.mark_static_address(t)
 
     @property
