@@ -151,7 +151,7 @@ def _cached_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_codes, k_scales, v_codes, v_scales, k_cb, v_cb,
     kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr,
     key_shift_ptr, key_gain_ptr, key_gain_inv_ptr,
-    q_scale, softcap, Tq, N, window, num_kv_heads, num_splits, split_base, num_parts,
+    q_scale, softcap, Tq, N, window, num_kv_heads, num_splits, num_parts,
     D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr, HAS_FRESH: tl.constexpr,
@@ -161,7 +161,7 @@ def _cached_attention_kernel(
 ):
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = 2 if D == 512 else 1
-    split = tl.program_id(0) + split_base  # split_base > 0: only the fresh part (the cache splits ran elsewhere)
+    split = tl.program_id(0)
     bh = tl.program_id(1)
     b, kvh, rows_total, row, row_ok, t, g = _group_rows(bh, tl.program_id(2), num_kv_heads, Tq, G, BLOCK_M)
 
@@ -323,16 +323,14 @@ def part_buffers(q: torch.Tensor, num_kv_heads: int, parts: int) -> tuple[torch.
 
 def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None,
                  v: torch.Tensor | None, q_scale: float, softcap: float | None, plan: DecodePlan,
-                 o_part: torch.Tensor, lse_part: torch.Tensor, split_base: int) -> None:
-    """Run the split-K kernel for parts split_base .. (the cache splits, then the fresh k/v part if any)."""
+                 o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+    """Run the split-K kernel: the cache splits, then the fresh k/v part if any."""
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     group = hq // hkv
     dev = q.device
     has_fresh = k is not None
     parts = plan.num_splits + int(has_fresh)
-    if parts <= split_base:
-        return
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
@@ -361,14 +359,14 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     k_lut = lut4_asm() if use_lut and codec.k_bits == 4 else ""
     v_lut = lut4_asm() if use_lut and codec.v_bits == 4 else ""
     window = layout.sliding_window or 0
-    _cached_attention_kernel[(parts - split_base, b * hkv, row_blocks)](
+    _cached_attention_kernel[(parts, b * hkv, row_blocks)](
         q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes,
         layout.v_scales, device_centroids(codec.k_bits, dev, torch.float16),
         device_centroids(codec.v_bits, dev, torch.float16),
         kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
         device_signs(d, dev), hadamard_tile(d // 2, dev),
         *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
-        float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits, split_base,
+        float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits,
         parts,
         D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
         V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
@@ -407,7 +405,7 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv), layout.capacity)
     parts = plan.num_splits + int(k is not None)
     o_part, lse_part = part_buffers(q, hkv, parts)
-    launch_parts(q, layout, codec, k, v, query_scale(d, scale, softcap), softcap, plan, o_part, lse_part, 0)
+    launch_parts(q, layout, codec, k, v, query_scale(d, scale, softcap), softcap, plan, o_part, lse_part)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
     launch_merge(o_part, lse_part, sinks, out, hkv, parts)
     return out
