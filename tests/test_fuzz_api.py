@@ -253,11 +253,11 @@ def test_cache(case):
         k, v = randn(gen, b, hkv, t, 64, dtype=dtype), randn(gen, b, hkv, t, 64, dtype=dtype)
         lengths = [int(x) for x in torch.randint(0, t + 1, (b,), generator=gen)] if lengths_kind else [t] * b
         new_lengths = {None: None, "list": lengths, "tensor": torch.tensor(lengths)}[lengths_kind]
-        call = lambda k=k, v=v, nl=new_lengths, be="auto": cache.append(k, v, new_lengths=nl, backend=be)  # noqa: E731
+        call = lambda k=k, v=v: cache.append(k, v, new_lengths=new_lengths)  # noqa: E731
         before = [x.clone() for x in (cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales, cache.seen)]
         overflow = not cache.is_ring and not cache.is_static and max(s + x for s, x in zip(seen, lengths)) > n
         if spoil is None and overflow:
-            spoil, call = "capacity", call  # growing cache, capacity exceeded
+            spoil = "capacity"  # a growing cache refuses the chunk that would pass its capacity
         spoiled = {
             "k": lambda: cache.append(k.tolist(), v),
             "k dtype": lambda: cache.append(k.double(), v.double()),
