@@ -22,11 +22,22 @@ def _check_tensor(name: str, t, dims: int) -> None:
     check_attention_dtype(name, t)
 
 
+def _is_int(x) -> bool:
+    """A Python int that is not a bool (True is no window size or split count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_flag(name: str, value) -> None:
+    # bool("no") is True: a string or tensor flag would silently turn an option on.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    for name, x in (("scale", scale), ("softcap", softcap)):
+        if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
+                                  and math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be a positive finite float or None, got {x!r}")
     for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
         if t is None:
             continue
@@ -36,6 +47,8 @@ def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) ->
             raise ValueError(f"{name} must have shape [{hq}] (one per query head), got {tuple(t.shape)}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but q is on {device}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
 def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor | None = None,
@@ -72,9 +85,12 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if b != cache.batch_size or d != cache.codec.head_dim or tq < 1:
         raise ValueError(f"q must be [B={cache.batch_size}, Hq, Tq>=1, D={cache.codec.head_dim}], got {tuple(q.shape)}")
     if hq % cache.num_kv_heads != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's KV heads ({cache.num_kv_heads})")
+        raise ValueError(f"q has {hq} heads: query heads ({hq}) must be a multiple of the cache's KV heads "
+                         f"({cache.num_kv_heads})")
     if q.device != cache.device:
         raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
+    if q.device.type == "meta":
+        raise ValueError("q is a meta tensor (a shape without data): cached_attention reads the cache's values")
     if (k is None) != (v is None):
         raise ValueError("pass both fresh k and v, or neither")
     if k is not None:
@@ -87,7 +103,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if cache.has_key_shift and (softcap is not None or sinks is not None):
         raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
                          "would see; fit it with center=False for such models")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+    if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
     if plan is not None and not isinstance(plan, DecodePlan):
@@ -131,30 +147,45 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4)
     b, hq, lq, d = q.shape
+    if hq < 1 or d < 1:
+        raise ValueError(f"q must have at least one head and D >= 1, got shape {tuple(q.shape)}")
+    if k.shape[1] < 1:
+        raise ValueError(f"k and v must have at least one head, got shape {tuple(k.shape)}")
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k and v must be [B={b}, Hkv, Lk, D={d}] and equal, got {tuple(k.shape)} and {tuple(v.shape)}")
     if hq % k.shape[1] != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
+        raise ValueError(f"q has {hq} heads and k, v {k.shape[1]}: query heads ({hq}) must be a multiple of "
+                         f"KV heads ({k.shape[1]})")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if lq < 1 or k.shape[2] < 1:
         raise ValueError(f"q and k need at least one token, got Lq={lq}, Lk={k.shape[2]}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            # An integer 0/1 mask would be added to the scores, not read as keep / hide.
+            raise TypeError(f"mask must be bool (True = keep) or floating point (added to the scores), "
+                            f"got {mask.dtype}")
+        full = (b, hq, lq, k.shape[2])
         try:
-            torch.broadcast_shapes(mask.shape, (b, hq, lq, k.shape[2]))
+            # Equal to `full`: a size-1 dim of q, k may not be stretched by a wider mask either.
+            fits = torch.broadcast_shapes(mask.shape, full) == full
         except RuntimeError:
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to {(b, hq, lq, k.shape[2])}") from None
+            fits = False
+        if not fits:
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to {full}")
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     _check_options(hq, q.device, scale, softcap, sinks, alibi_slopes)
 
     impl = choose("flash_attention", backend, q.device)
-    out, lse = run("flash_attention", q, k, v, bool(causal), sliding_window, mask, _float(scale), _float(softcap),
-                   sinks, alibi_slopes, bool(return_lse), impl)
+    out, lse = run("flash_attention", q, k, v, causal, sliding_window, mask, _float(scale), _float(softcap),
+                   sinks, alibi_slopes, return_lse, impl)
     return (out, lse) if return_lse else out

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from numbers import Integral
 
 import torch
 
@@ -41,31 +42,53 @@ from ..ops.backend import check_backend, choose
 from ..ops.library import run
 
 
+def _is_int(x) -> bool:
+    """A Python int that is not a bool (True is no size)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _host_ints(values) -> list[int] | None:
+    """A sequence or integer tensor of ints as a flat host list; None for anything else (1.5 is no length)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            return None
+        return values.reshape(-1).tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        return None
+    if not all(isinstance(x, Integral) and not isinstance(x, bool) for x in values):
+        return None
+    return [int(x) for x in values]
+
+
 class QuantizedKVCache:
     def __init__(self, codec: KVCodec, batch_size: int, num_kv_heads: int, capacity: int | None = None,
                  sliding_window: int | None = None, device=None, static: bool = False):
         if not isinstance(codec, KVCodec):
             raise TypeError(f"codec must be a turboattn.KVCodec, got {type(codec).__name__}")
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if sliding_window is not None:
-            if not isinstance(sliding_window, int) or sliding_window < 1:
+            if not _is_int(sliding_window) or sliding_window < 1:
                 raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
             if capacity not in (None, sliding_window):
                 raise ValueError(f"a ring cache holds exactly sliding_window={sliding_window} tokens; "
                                  f"pass capacity=None or {sliding_window}, got {capacity!r}")
             capacity = sliding_window
-        if not isinstance(capacity, int) or capacity < 1:
+        if not _is_int(capacity) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if not isinstance(static, bool):
             raise TypeError(f"static must be a bool, got {type(static).__name__}")
+        try:
+            device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                             f"got {device!r}") from None
         self.codec = codec
         self.batch_size = batch_size
         self.num_kv_heads = num_kv_heads
         self.capacity = capacity
         self.sliding_window = sliding_window
-        device = torch.device(device) if device is not None else torch.device("cpu")
 
         shape = (batch_size, num_kv_heads, capacity)
         nb = codec.num_blocks
@@ -220,10 +243,10 @@ class QuantizedKVCache:
 
     def set_left_padding(self, num_padding: Sequence[int] | torch.Tensor) -> None:
         """Mark the first num_padding[b] positions of sequence b as padding (never attended)."""
-        pad = torch.as_tensor(num_padding, dtype=torch.int32).reshape(-1)
-        if pad.numel() != self.batch_size or bool((pad < 0).any()):
+        pad = _host_ints(num_padding)
+        if pad is None or len(pad) != self.batch_size or min(pad) < 0:
             raise ValueError(f"num_padding must hold {self.batch_size} non-negative ints, got {num_padding!r}")
-        self.starts.copy_(pad.to(self.device))
+        self.starts.copy_(torch.tensor(pad, dtype=torch.int32, device=self.device))
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by each slot [B, N] (int64); -1 for empty or padding slots."""
@@ -362,6 +385,8 @@ class QuantizedKVCache:
             check_attention_dtype(label, t)
             if t.device != self.device:
                 raise ValueError(f"{label} is on {t.device} but the cache is on {self.device}")
+            if t.device.type == "meta":
+                raise ValueError(f"{label} is a meta tensor (a shape without data): the cache stores values")
         want = (self.batch_size, self.num_kv_heads)
         if k.dim() != 4 or tuple(k.shape[:2]) != want or k.shape[3] != self.codec.head_dim or k.shape[2] < 1:
             raise ValueError(f"{name}: k must be [B={want[0]}, Hkv={want[1]}, T>=1, D={self.codec.head_dim}], "
@@ -374,8 +399,8 @@ class QuantizedKVCache:
     def _new_lengths(self, new_lengths, t: int) -> list[int]:
         if new_lengths is None:
             return [t] * self.batch_size
-        n = [int(x) for x in (new_lengths.tolist() if isinstance(new_lengths, torch.Tensor) else new_lengths)]
-        if len(n) != self.batch_size or any(x < 0 or x > t for x in n):
+        n = _host_ints(new_lengths)
+        if n is None or len(n) != self.batch_size or any(x < 0 or x > t for x in n):
             raise ValueError(f"new_lengths must hold {self.batch_size} ints in [0, {t}], got {new_lengths!r}")
         return n
 

@@ -226,11 +226,12 @@ class KVCodec:
     # -- rotated-domain coding (what the kernels compute on) --------------
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"input dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+            raise TypeError(f"x dtype must be one of {allowed}, got {str(x.dtype).removeprefix('torch.')}")
         if x.dim() < 1 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"last dim must be head_dim={self.head_dim}, got shape {tuple(x.shape)}")
+            raise ValueError(f"x: last dim must be head_dim={self.head_dim}, got shape {tuple(x.shape)}")
 
     def quantize_rotated(self, y: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated vectors y [..., D] -> (indices [..., D] int64, scales [..., nb] float32)."""
@@ -268,7 +269,9 @@ class KVCodec:
         self._check_input(x)
         self.bits(kind)  # validates kind before any work
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x = x.to(work)
+        # Contiguous: a reduction over a strided view may add in another order, and a transposed or sliced
+        # input must code exactly like its contiguous copy.
+        x = x.to(work).contiguous()
         finite = torch.isfinite(x).all(dim=-1)
         e = magnitude_exponent(x)
         x = times_pow2(torch.where(finite[..., None], x, torch.zeros_like(x)), -e)
@@ -283,6 +286,8 @@ class KVCodec:
         return unpack_codes(packed.codes, self.bits(kind), self.head_dim)
 
     def check_packed(self, packed: Packed, kind: Kind) -> None:
+        if not isinstance(packed, Packed):
+            raise TypeError(f"packed must be a turboattn.Packed (what quantize returns), got {type(packed).__name__}")
         want = self.code_bytes(kind)
         if packed.codes.dtype != torch.uint8 or packed.codes.shape[-1] != want:
             raise ValueError(f"codes must be uint8 [..., {want}] for {kind}_bits={self.bits(kind)}, "
@@ -297,6 +302,9 @@ class KVCodec:
         Decoded at the scales' own magnitude, like quantize codes (times_pow2): scales near the
         float32 limits neither overflow nor lose bits in the inverse rotation.
         """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.check_packed(packed, kind)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         scales = packed.scales.to(work)
         e = magnitude_exponent(scales)

@@ -61,6 +61,7 @@ _INITIAL_CAPACITY = 256
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.configuration_utils import PretrainedConfig
 except ImportError as e:  # pragma: no cover - exercised only without the hf extra
     raise ImportError("turboattn.hf needs transformers>=5.0: pip install 'turboattn[hf]'") from e
 
@@ -290,8 +291,14 @@ class TurboQuantCache(Cache):
         check_coding_options(k_bits, v_bits, scale_rule)
         if fit_keys not in KEY_FITS:
             raise ValueError(f"fit_keys must be one of {KEY_FITS}, got {fit_keys!r}")
-        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
+                                          or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
+        if not isinstance(quantize_current, bool):
+            raise TypeError(f"quantize_current must be a bool, got {quantize_current!r}")
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be a transformers PretrainedConfig (model.config), "
+                            f"got {type(config).__name__}")
         impl = getattr(config, "_attn_implementation", None)
         if impl is not None and impl != ATTN_NAME:
             raise ValueError(f"TurboQuantCache needs the model loaded with attn_implementation={ATTN_NAME!r}, "
@@ -353,7 +360,7 @@ def turboattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         mask = attention_mask
         if mask is not None and mask.dim() == 2:
             mask = mask[:, -key.shape[2]:].to(torch.bool)[:, None, None, :]
-        out = flash_attention(query, key, value, causal=getattr(module, "is_causal", True),
+        out = flash_attention(query, key, value, causal=bool(getattr(module, "is_causal", True)),
                               sliding_window=sliding_window, mask=mask, scale=scaling, softcap=softcap,
                               sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
