@@ -14,7 +14,9 @@ import turboattn as ta
 from turboattn.format import codebook, codec as codec_mod, rotation
 from turboattn.format.codec import SCALE_RULES, SUPPORTED_BITS, cell_index, pack_codes, unpack_codes
 
-DIMS = rotation.SUPPORTED_HEAD_DIMS
+DIMS = rotation.POWER_OF_TWO_HEAD_DIMS[1:]  # 64..512
+# Head dims that are not powers of two (odd factors 3, 5, 7, 15 and both block rules), and 32.
+OTHER_DIMS = (32, 48, 80, 96, 112, 160, 192, 240, 320, 480)
 U32 = 2.0**-24
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 
