@@ -127,6 +127,23 @@ def test_cache_ops_at_other_head_dims_refuse_triton_and_run_on_torch(d):
     assert torch.equal(ta.cached_attention(x, cache), ta.cached_attention(x, cache, backend="torch"))
 
 
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by `make test`)")
+def test_triton_kernels_refuse_other_head_dims_when_called_directly():
+    """The torch ops take the implementation by name: one that bypasses backend.choose still gets an error, never
+    a kernel run at a head dim it does not tile (CUDA's fall-through to Triton included)."""
+    from turboattn.ops.cached.triton import cached_attention_triton
+    from turboattn.ops.quantize.triton import quantize_append_triton
+    codec = ta.KVCodec(80, 4, 4)
+    cache = ta.QuantizedKVCache(codec, batch_size=1, num_kv_heads=1, capacity=4)
+    x = torch.randn(1, 1, 1, 80)
+    with pytest.raises(ValueError, match=r"Triton quantize_append kernel serves head_dim in .*got head_dim=80"):
+        quantize_append_triton(x, x, cache.layout, codec, None)
+    with pytest.raises(ValueError, match=r"Triton cached_attention kernel serves head_dim in .*got head_dim=80"):
+        cached_attention_triton(x, cache.layout, codec)
+    assert not cache.k_codes.any()
+
+
 def test_a_new_implementation_is_one_registration(monkeypatch):
     """A registered implementation with a higher priority serves "auto" on its devices, imported lazily."""
     monkeypatch.setitem(backend._REGISTRY, "flash_attention", dict(backend._REGISTRY["flash_attention"]))

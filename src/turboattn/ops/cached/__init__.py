@@ -1,11 +1,7 @@
 """Attention over the compressed cache (decode and extend): split-K over the codes, merged by LSE."""
 
-from ...format.rotation import POWER_OF_TWO_HEAD_DIMS
 from ..backend import register
-from .config import CUDA_HEAD_DIMS
-
-# The Triton kernels tile the head dim with tl.arange: powers of two only (64..512, the dims they are tested at).
-TRITON_HEAD_DIMS = tuple(d for d in POWER_OF_TWO_HEAD_DIMS if d >= 64)
+from .config import CUDA_HEAD_DIMS, TRITON_HEAD_DIMS
 
 register("cached_attention", "torch", "turboattn.ops.cached.naive:cached_attention_naive", priority=0,
          devices=("*",))
