@@ -36,10 +36,6 @@ def check_head_dim(head_dim: int) -> None:
                          f"got {head_dim!r}")
 
 
-def is_power_of_two(head_dim: int) -> bool:
-    return head_dim & (head_dim - 1) == 0
-
-
 def odd_factor(head_dim: int) -> int:
     """m, the odd part of head_dim = P * m (1 for a power of two)."""
     return head_dim // (head_dim & -head_dim)
