@@ -16,9 +16,9 @@ from turboattn import KVCodec
 VOCAB = 96
 
 
-def tiny_llama(attn="turboattn"):
+def tiny_llama(attn="turboattn", head_dim=64):
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512)
     return _build(transformers.LlamaForCausalLM, cfg, attn)
 
 

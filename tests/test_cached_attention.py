@@ -14,6 +14,7 @@ import torch
 from naive import UNIT_ROUNDOFF, float32_attention_tolerance, naive_attention
 
 import turboattn as ta
+from turboattn.format import rotation
 
 U32 = UNIT_ROUNDOFF[torch.float32]
 
@@ -28,10 +29,13 @@ def randn(gen, *shape, dtype=torch.float32):
 
 
 def tolerance(codec, q, k, v, scale=None, softcap=None):
-    """float32 attention bound, plus the float32 decoding's rounding (log2 D + 2 roundings per rotation)."""
+    """float32 attention bound, plus the float32 decoding's rounding (log2 D + 2 roundings per rotation;
+    log2 P + m + 2 for D = P * m, m > 1 odd: the m-term Hartley sums)."""
     d = codec.head_dim
+    m = rotation.odd_factor(d)
+    roundings = math.log2(d) + 2 if m == 1 else math.log2(d // m) + m + 2
     return float32_attention_tolerance(q, k, v, scale, extra_logit=softcap or 0.0,
-                                       kv_rel_error=2 * (math.log2(d) + 2) * U32)
+                                       kv_rel_error=2 * roundings * U32)
 
 
 def assert_close_to(out, ref, tol):
@@ -40,7 +44,7 @@ def assert_close_to(out, ref, tol):
 
 
 @pytest.mark.parametrize("options", [{}, {"scale": 0.2}, {"softcap": 5.0}, {"sinks": True}])
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 256, 80, 96, 480])
 def test_fresh_kv_equals_exact_attention_over_the_concatenation(options, d, gen):
     codec = ta.KVCodec(d, 4, 3)
     b, hq, hkv, tq = 2, 4, 2, 3
@@ -84,12 +88,13 @@ def test_queries_without_fresh_kv_end_at_the_last_cached_token(gen):
 
 
 @pytest.mark.parametrize("window", [1, 6])
-def test_ring_equals_attention_over_the_last_w_tokens_at_every_step(window, gen):
+@pytest.mark.parametrize("d", [64, 96])
+def test_ring_equals_attention_over_the_last_w_tokens_at_every_step(window, d, gen):
     """Chunks of varied T (some > W) wrap the ring several times.  At each step: the chunk's queries
     with the chunk as fresh k/v equal causal sliding-window attention over the whole history; after
     appending, a decode query equals plain attention over the last W tokens."""
-    codec = ta.KVCodec(64, 4, 4)
-    b, hq, hkv, d = 2, 2, 1, 64
+    codec = ta.KVCodec(d, 4, 4)
+    b, hq, hkv = 2, 2, 1
     ring = ta.QuantizedKVCache(codec, batch_size=b, num_kv_heads=hkv, sliding_window=window)
     hist_k = torch.zeros(b, hkv, 0, d, dtype=torch.float64)
     hist_v = torch.zeros_like(hist_k)

@@ -15,7 +15,7 @@ import turboattn as ta
 from turboattn.cli import main as cli
 from turboattn.format import codebook
 from turboattn.format.codec import SUPPORTED_BITS
-from turboattn.format.rotation import SUPPORTED_HEAD_DIMS
+from turboattn.cli.info import TABLE_HEAD_DIMS
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_info(capsys, wide):
     seen = set()
     for row in rows:
         kb, vb = int(row[0]), int(row[1])
-        for d, cell in zip(SUPPORTED_HEAD_DIMS, row[2:]):
+        for d, cell in zip(TABLE_HEAD_DIMS, row[2:]):
             codec = ta.KVCodec(d, kb, vb)
             nbytes, ratio = re.fullmatch(r"(\d+) B\s+([\d.]+)x", cell).groups()
             assert int(nbytes) == codec.bytes_per_token()

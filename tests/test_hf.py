@@ -10,6 +10,8 @@ moves logits by >1e-2 at these sizes).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -323,6 +325,22 @@ def assert_same_tokens_but_near_ties(model, prompt, got, exact):
         i = int(differ[0])
         top2 = exact.scores[i][0].topk(2).values
         assert float(top2[0] - top2[1]) < 2 * k8v8_logit_error(model, exact.sequences, p), i
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+@CACHE_KINDS
+@torch.no_grad()
+def test_head_dims_not_powers_of_two_generate_like_exact_cache(head_dim, max_len):
+    """Phi / StableLM head dims (80, 96: rotation with a Hartley factor, served by the PyTorch path): k8v8
+    greedy tokens equal DynamicCache's but near-ties, and the fake-quant reference's exactly."""
+    model = tiny_llama(head_dim=head_dim)
+    ids = random_ids(20, seed=5)
+    exact = generate(model, ids, transformers.DynamicCache(config=model.config))
+    cache = TurboQuantCache(model.config, 8, 8, max_cache_len=max_len)
+    got = generate(model, ids, cache)
+    assert cache.layers[0].cache.codec.head_dim == head_dim
+    assert_matches_fake_quant(partial(tiny_llama, head_dim=head_dim), ids, got, cache)
+    assert_same_tokens_but_near_ties(model, ids, got, exact)
 
 
 def assistant():

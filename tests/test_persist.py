@@ -98,6 +98,22 @@ def test_saved_cache_reloads_bit_for_bit(backend, kind, gen, tmp_path):
     assert_same_cache(loaded, cache)
 
 
+@pytest.mark.parametrize("d", [80, 480])
+@pytest.mark.parametrize("kind", ["contiguous", "ring"])
+def test_other_head_dims_reload_bit_for_bit(d, kind, gen, tmp_path):
+    """Head dims that are not powers of two: the file's head_dim determines the rotation and norm blocks."""
+    cache = prompt_cache(gen, kind, "torch", d)
+    cache.save(tmp_path / "prompt.safetensors")
+    loaded = ta.QuantizedKVCache.load(tmp_path / "prompt.safetensors")
+    assert_same_cache(loaded, cache)
+    assert loaded.codec.head_dim == d and loaded.k_scales.shape[-1] == -(-d // 256)
+    state = gen.get_state()
+    want = attend(gen, cache, "torch")
+    gen.set_state(state)
+    for a, b in zip(attend(gen, loaded, "torch"), want):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
 def test_save_writes_only_the_slots_in_use(gen, tmp_path):
     cache = ta.QuantizedKVCache(ta.KVCodec(128, 4, 4), 1, 1, capacity=4096)
     cache.append(*kv(gen, 1, 1, 10, 128))

@@ -109,7 +109,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if plan is not None and not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a turboattn.ops.cached.config.DecodePlan, got {type(plan).__name__}")
 
-    impl = choose("cached_attention", backend, q.device)
+    impl = choose("cached_attention", backend, q.device, d)
     rows = tq * (hq // cache.num_kv_heads)
     shape = (q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows)
     if plan is not None:

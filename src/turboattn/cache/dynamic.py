@@ -423,7 +423,7 @@ class QuantizedKVCache:
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
-        impl = choose("quantize_append", backend, k.device)
+        impl = choose("quantize_append", backend, k.device, self.codec.head_dim)
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
         if self.is_static and not self.is_ring:
             # The slots left, computed on the device: the kernels write only the tokens that fit.

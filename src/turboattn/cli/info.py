@@ -8,10 +8,10 @@ import time
 import torch
 
 from ..format.codec import SUPPORTED_BITS, KVCodec
-from ..format.rotation import SUPPORTED_HEAD_DIMS
+from ..ops.cached import TRITON_HEAD_DIMS as TABLE_HEAD_DIMS  # the kernels' head dims: the common ones
 
 
-def format_rows(head_dims=SUPPORTED_HEAD_DIMS, bit_pairs=None):
+def format_rows(head_dims=TABLE_HEAD_DIMS, bit_pairs=None):
     """(head_dim, k_bits, v_bits, bytes/token/head, bits/element, compression vs bf16).
 
     `bit_pairs` defaults to every (k_bits, v_bits) pair of SUPPORTED_BITS.
@@ -64,7 +64,7 @@ def print_info() -> None:
         cells.setdefault((kb, vb), []).append(f"{nbytes} B  {ratio:.2f}x")
     _print_table("Cache formats: K+V bytes per token per KV head (float32 scales included), "
                  "and compression vs bf16",
-                 ["k_bits", "v_bits"] + [f"D={d}" for d in SUPPORTED_HEAD_DIMS],
+                 ["k_bits", "v_bits"] + [f"D={d}" for d in TABLE_HEAD_DIMS],
                  [[str(kb), str(vb), *row] for (kb, vb), row in cells.items()])
 
 

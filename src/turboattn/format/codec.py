@@ -1,7 +1,8 @@
 """TurboQuant coding of K/V vectors: the exact PyTorch reference of the format.
 
-Per vector x of length D: y = R x (randomized Hadamard), split y into norm
-blocks of min(D, 256) coordinates, store one float32 scale per block and the
+Per vector x of length D: y = R x (randomized Hadamard, times a fixed Hartley
+factor when D is not a power of two), split y into ceil(D/256) equal norm
+blocks (min(D, 256) coordinates for a power of two), store one float32 scale per block and the
 Lloyd–Max cell index of every coordinate of u = y / rms(y_block), bit-packed
 with no wasted bits.  DESIGN.md describes the format; this module is its
 definition, and the fused kernels must reproduce it.
@@ -184,12 +185,14 @@ class KVCodec:
 
     # -- format geometry -------------------------------------------------
     @property
-    def block_size(self) -> int:
-        return min(self.head_dim, NORM_BLOCK)
+    def num_blocks(self) -> int:
+        """ceil(D / 256) equal norm blocks: min(D, 256) coordinates each for a power of two, and D / 2
+        (a multiple of 8) for the other head dims above 256."""
+        return -(-self.head_dim // NORM_BLOCK)
 
     @property
-    def num_blocks(self) -> int:
-        return self.head_dim // self.block_size
+    def block_size(self) -> int:
+        return self.head_dim // self.num_blocks
 
     def bits(self, kind: Kind) -> int:
         if kind == "k":

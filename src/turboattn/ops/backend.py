@@ -4,7 +4,8 @@ Each op's package registers its implementations in one line each
 (`register("cached_attention", "triton", "turboattn.ops.cached.triton:cached_attention_triton",
 priority=10, devices=("cuda",))`); the module is imported only when the implementation runs, so
 the PyTorch path never imports Triton.  `backend="auto"` picks the highest-priority
-implementation whose check accepts the tensors' device; naming one forces it.
+implementation whose check accepts the tensors' device and head_dim; naming one forces it (a
+head_dim it does not serve is a ValueError, never a wrong result).
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ class Implementation:
     priority: int                  # "auto" prefers the highest that supports the device
     devices: tuple[str, ...]       # device types "auto" may send to it ("*": any); forcing ignores this
     requires: tuple[str, ...] = ()  # importable modules it needs
+    head_dims: tuple[int, ...] | None = None  # the head dims it serves (None: every one the format has)
+
+    def serves(self, head_dim: int | None) -> bool:
+        return head_dim is None or self.head_dims is None or head_dim in self.head_dims
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
 
 
 def register(op: str, name: str, target: str, *, priority: int, devices: tuple[str, ...],
-             requires: tuple[str, ...] = ()) -> None:
-    _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires)
+             requires: tuple[str, ...] = (), head_dims: tuple[int, ...] | None = None) -> None:
+    _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires, head_dims)
 
 
 def implementations(op: str) -> list[Implementation]:
@@ -60,17 +65,23 @@ def check_backend(backend: str) -> None:
 # torch.compile calls this while tracing and keeps the name as a constant (it reads no tensor; tracing it
 # would step into importlib through the lru_cache).
 @torch.compiler.assume_constant_result
-def choose(op: str, backend: str, device: torch.device) -> str:
-    """The implementation name that serves `op` for tensors on `device` (host only: no tensor is read)."""
+def choose(op: str, backend: str, device: torch.device, head_dim: int | None = None) -> str:
+    """The implementation name that serves `op` for tensors on `device` with this head_dim (None: any)
+    (host only: no tensor is read)."""
     check_backend(backend)
     if backend == "auto":
         for impl in implementations(op):
-            if (device.type in impl.devices or "*" in impl.devices) and all(_importable(m) for m in impl.requires):
+            if ((device.type in impl.devices or "*" in impl.devices) and impl.serves(head_dim)
+                    and all(_importable(m) for m in impl.requires)):
                 return impl.name
-        raise RuntimeError(f"no implementation of {op} supports device {device}")  # torch covers every device
+        # torch covers every device and head dim
+        raise RuntimeError(f"no implementation of {op} supports device {device} with head_dim={head_dim}")
     impl = _REGISTRY[op].get(backend)
     if impl is None:
         raise ValueError(f"{op} has no {backend!r} implementation; registered: {sorted(_REGISTRY[op])}")
+    if not impl.serves(head_dim):
+        raise ValueError(f"backend={backend!r} for {op} serves head_dim in {impl.head_dims}, got "
+                         f"head_dim={head_dim}; use backend='torch' (or 'auto')")
     missing = [m for m in impl.requires if not _importable(m)]
     if missing:
         raise RuntimeError(f"backend={backend!r} needs the {', '.join(missing)} package; install it or use "

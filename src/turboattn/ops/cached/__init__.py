@@ -1,11 +1,12 @@
 """Attention over the compressed cache (decode and extend): split-K over the codes, merged by LSE."""
 
 from ..backend import register
+from .config import CUDA_HEAD_DIMS, TRITON_HEAD_DIMS
 
 register("cached_attention", "torch", "turboattn.ops.cached.naive:cached_attention_naive", priority=0,
          devices=("*",))
 register("cached_attention", "triton", "turboattn.ops.cached.triton:cached_attention_triton", priority=10,
-         devices=("cuda",), requires=("triton",))
+         devices=("cuda",), requires=("triton",), head_dims=TRITON_HEAD_DIMS)
 # 4-bit K/V at head_dim 128 on tensor cores (built with nvcc on first use); other calls fall through to Triton.
 register("cached_attention", "cuda", "turboattn.ops.cached.cuda:cached_attention_cuda", priority=20,
-         devices=("cuda",), requires=("triton",))
+         devices=("cuda",), requires=("triton",), head_dims=CUDA_HEAD_DIMS)

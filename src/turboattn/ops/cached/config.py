@@ -28,6 +28,18 @@ MIN_KEYS_PER_SPLIT = 1024
 # second wave measured slower: each CTA builds its table and rotates q), splits of at least
 # CUDA_MIN_KEYS_PER_SPLIT keys.
 CUDA_HEAD_DIMS = (64, 128, 256)
+# The Triton kernels of the compressed cache (cached attention, quantize-append) tile the head dim with
+# tl.arange and rotate with the fast Walsh–Hadamard transform: powers of two only, from 64 to 512.  Other
+# head dims run the PyTorch twins (backend.choose never picks these kernels for them).
+TRITON_HEAD_DIMS = (64, 128, 256, 512)
+
+
+def check_kernel_head_dim(op: str, head_dim: int) -> None:
+    """ValueError naming head_dim unless the Triton kernels of `op` serve it (for callers of the torch op that
+    bypass backend.choose)."""
+    if head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(f"the Triton {op} kernel serves head_dim in {TRITON_HEAD_DIMS}, got head_dim={head_dim}; "
+                         "use backend='torch' (or 'auto')")
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
 CUDA_CTAS_PER_SM = {64: 4, 128: 4, 256: 2}

@@ -32,7 +32,7 @@ from ...format.layout import CacheLayout
 from ...format.rotation import device_signs, rotate
 from ..triton_lib import (LOG2E, finish_split, hadamard_any, hadamard_tile, key_transform_rows, merge_splits,
                           online_softmax, tanh)
-from .config import DecodePlan, plan_decode
+from .config import DecodePlan, check_kernel_head_dim, plan_decode
 from .lut import lut4_asm
 
 
@@ -399,6 +399,7 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
 
     plan: the launch plan (config.plan_decode); None plans for a full cache (layout.capacity keys).
     """
+    check_kernel_head_dim("cached_attention", codec.head_dim)
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     if plan is None:

@@ -23,6 +23,7 @@ from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..triton_lib import hadamard_any, hadamard_tile
+from ..cached.config import check_kernel_head_dim
 from .config import plan_quantize
 
 
@@ -238,6 +239,7 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     """Write k, v [B, Hkv, T, D] into each sequence's next slots (layout.seen is not advanced here).
 
     k is in the model's domain: the kernel applies the key transform, if any."""
+    check_kernel_head_dim("quantize_append", codec.head_dim)
     key_xform = layout.has_key_transform
     d = codec.head_dim
     b, hkv, t, _ = k.shape
