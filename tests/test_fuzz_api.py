@@ -105,12 +105,12 @@ def randn(gen, *shape, dtype=torch.float32):
 # -- KVCodec -------------------------------------------------------------------------------------------
 
 BAD_BITS = st.sampled_from([1, 7, 9, 4.0, "4", True, None])
-BAD_HEAD_DIM = st.sampled_from([0, 32, 96, 1024, 64.0, "64", True])
+BAD_HEAD_DIM = st.sampled_from([0, 16, 24, 100, 520, 1024, 64.0, "64", True])  # valid: multiples of 16, 32..512
 
 
 @st.composite
 def codec_case(draw):
-    head_dim = draw(st.sampled_from([64, 128, 256, 512]))
+    head_dim = draw(st.sampled_from([64, 128, 256, 512, 80, 96]))
     k_bits, v_bits = draw(st.sampled_from(SUPPORTED_BITS)), draw(st.sampled_from(SUPPORTED_BITS))
     rule = draw(st.sampled_from(codec_mod.SCALE_RULES))
     bad = draw(st.sampled_from([None] * 4 + ["head_dim", "k_bits", "v_bits", "scale_rule", "x", "x dtype",
