@@ -60,38 +60,50 @@ def _items(text: str) -> list[str]:
     return items
 
 
+def _int_at_least(text: str, low: int) -> int | None:
+    """int(text) when it is an int >= low, else None (the callers word the error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= low else None
+
+
 def positive_ints(text: str) -> list[int]:
     """"32,64" -> [32, 64]; every item a positive int."""
     out = []
     for item in _items(text):
-        try:
-            value = int(item)
-        except ValueError:
-            value = 0
-        if value < 1:
+        value = _int_at_least(item, 1)
+        if value is None:
             raise argparse.ArgumentTypeError(f"expected positive ints (e.g. 2,4,8), got {item!r} in {text!r}")
         out.append(value)
     return out
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    value = _int_at_least(text, 1)
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    value = _int_at_least(text, 0)
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
     return value
+
+
+def batch_by_length(text: str) -> list[tuple[int, int]]:
+    """"1x32768,8x16384" -> [(1, 32768), (8, 16384)]: positive BATCHxLENGTH pairs."""
+    out = []
+    for item in _items(text):
+        parts = item.lower().split("x")
+        pair = [_int_at_least(x, 1) for x in parts] if len(parts) == 2 else [None]
+        if None in pair:
+            raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT items (e.g. 1x32768,8x16384), got {item!r}")
+        out.append(tuple(pair))
+    return out
 
 
 def choices(*allowed: str, extra: tuple[str, ...] = ()):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..args import positive_int, preset
+from ..args import batch_by_length, choices, positive_int, preset
 from .args import add_out
 from .common import environment, print_table, require_cuda, write_results
 
@@ -36,37 +36,12 @@ MODEL_SHAPES = {
 PATHS = ("bf16", "bf16-compiled", "turboattn", "turboattn-compiled", "bf16-loop", "turboattn-loop")
 
 
-def _grid(text: str) -> list[tuple[int, int]]:
-    """"1x32768,8x16384" -> [(1, 32768), (8, 16384)]."""
-    import argparse
-    out = []
-    for item in text.split(","):
-        parts = item.strip().lower().split("x")
-        try:
-            b, l = (int(p) for p in parts)
-        except ValueError:
-            b = l = 0
-        if b < 1 or l < 1:
-            raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT items (e.g. 1x32768,8x16384), got {item!r}")
-        out.append((b, l))
-    return out
-
-
-def _paths(text: str) -> list[str]:
-    import argparse
-    out = [p.strip() for p in text.split(",")]
-    bad = [p for p in out if p not in PATHS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown path(s) {bad}; choose from {', '.join(PATHS)}")
-    return out
-
-
 def add_arguments(parser) -> None:
     add_out(parser)
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="8b",
                         help="model shape, random weights: 8b is Llama-3-8B, 1b Llama-3.2-1B")
-    parser.add_argument("--grid", type=_grid, default="1x32768", help="comma list of BATCHxCONTEXT")
-    parser.add_argument("--paths", type=_paths, default=",".join(PATHS), help="comma list of paths to time")
+    parser.add_argument("--grid", type=batch_by_length, default="1x32768", help="comma list of BATCHxCONTEXT")
+    parser.add_argument("--paths", type=choices(*PATHS), default=",".join(PATHS), help="comma list of paths to time")
     parser.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="decoder layers (default: the model shape's)")
