@@ -26,6 +26,7 @@ from hf_models import random_ids, tiny_gemma3, tiny_llama  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from turboattn import KVCodec, QuantizedKVCache, cached_attention  # noqa: E402
 from turboattn.hf import TurboQuantCache  # noqa: E402
+from turboattn.ops import library  # noqa: E402
 
 ATOL = 1e-4   # float32, reduction order only (tests/test_hf.py)
 STEPS = 20
@@ -177,7 +178,7 @@ def test_compiling_model_forward_as_a_new_user_would():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @torch.no_grad()
-def test_static_cache_step_compiles_once_on_its_own(backend, gen):
+def test_static_cache_step_compiles_once_on_its_own(backend, gen, monkeypatch):
     """QuantizedKVCache(static=True) without transformers: attention plus append, 20 steps, one graph; the
     plan comes from the capacity, so the Triton kernel runs several splits over a short cache."""
     if backend == "triton" and not INTERPRETER:
@@ -194,6 +195,14 @@ def test_static_cache_step_compiles_once_on_its_own(backend, gen):
         static.append(k, v, backend=backend)
         return out
 
+    planned = []   # (keys planned for, splits) of each step's plan, made inside the op
+
+    def spy(*args, **kwargs):
+        plan = real_plan(*args, **kwargs)
+        planned.append((args[6], min(plan.num_splits, 2)))
+        return plan
+    real_plan = library.plan_decode
+    monkeypatch.setattr(library, "plan_decode", spy)
     count, graphs = counting_backend()
     torch._dynamo.reset()
     compiled = torch.compile(step, backend=count, fullgraph=True)
@@ -209,6 +218,35 @@ def test_static_cache_step_compiles_once_on_its_own(backend, gen):
         rel = float((got.double() - want.double()).norm() / want.double().norm())
         assert rel < (4 * 2.0**-11 if backend == "triton" else 1e-5), (s, rel)
     assert len(graphs) == 1
-    plan = [n.args for n in graphs[0].graph.nodes if str(n.target) == "turboattn.cached_attention"]
-    assert plan[0][19][4] > 1   # num_splits, planned for 4096 slots although 10..29 are held
+    ops = [n.args for n in graphs[0].graph.nodes if str(n.target) == "turboattn.cached_attention"]
+    assert ops[0][19] == []   # the op plans for the capacity itself
+    assert planned and all(p == (4096, 2) for p in planned), planned   # 4096 slots, several splits, every step
     assert static.lengths.tolist() == [10 + steps] * 2 and static.max_seen == 10 + steps
+
+
+@torch.no_grad()
+def test_static_step_compiles_with_dynamic_shapes(gen):
+    """After a shape changes between calls, torch.compile recompiles with that size as a symbol (automatic dynamic
+    shapes), from which no constant plan can be made at trace time: the op plans inside, the steps match eager
+    ones, and later sizes reuse the second graph."""
+    codec = KVCodec(64, 4, 3)
+    static, twin = (QuantizedKVCache(codec, 2, 2, capacity=256, static=True) for _ in range(2))
+    k, v = (torch.randn(2, 2, 40, 64, generator=gen) for _ in range(2))
+    for c in (static, twin):
+        c.append(k[:, :, :10], v[:, :, :10], backend="torch")
+
+    def step(cache, q, k, v):
+        out = cached_attention(q, cache, k, v, backend="torch")
+        cache.append(k, v, backend="torch")
+        return out
+
+    count, graphs = counting_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: step(static, q, k, v), backend=count, fullgraph=True)
+    s = 10
+    for tq in (1, 2, 3, 1):
+        q = torch.randn(2, 4, tq, 64, generator=gen)
+        kk, vv = k[:, :, s:s + tq], v[:, :, s:s + tq]
+        assert torch.allclose(compiled(q, kk, vv), step(twin, q, kk, vv), rtol=1e-5, atol=1e-6)
+        s += tq
+    assert len(graphs) == 2

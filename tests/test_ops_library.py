@@ -31,7 +31,8 @@ def _cached_args(cache, q, k, v, impl):
     layout = cache.layout
     plan = plan_decode(q.device, 64, 4, 3, 4, q.shape[2] * 2, 21, num_splits=2)
     return (q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
-            None, None, None, False, None, layout.sliding_window, 4, 3, None, None, plan.to_list(), impl)
+            None, None, None, False, None, layout.sliding_window, 4, 3, None, None, plan.to_list(),
+            layout.merge_counters, impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -204,3 +205,28 @@ def test_compiled_calls_trace_to_the_ops(gen):
         assert torch.equal(a, b)
     called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert "turboattn.cached_attention" in called and "turboattn.flash_attention" in called
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels need the interpreter here")
+@pytest.mark.parametrize("d, bits", [(64, (4, 3)), (128, (4, 4)), (256, (8, 2))])
+def test_allocated_device_tables_cover_every_kernel_table(d, bits, gen):
+    """After allocate_device_tables, a Triton append and decode step (fresh k/v, sinks) make no new table: none
+    would be allocated inside a CUDA graph's warm-up (ops/device_tables.py).  The tables' caches are keyed by
+    device, so the check runs on the CPU with the interpreter."""
+    from turboattn.format import codebook, rotation
+    from turboattn.ops import triton_lib
+    from turboattn.ops.device_tables import allocate_device_tables
+    from turboattn.ops.quantize import triton as quantize_triton
+
+    codec = ta.KVCodec(d, *bits)
+    caches = (codebook.device_centroids, rotation.device_signs, triton_lib.hadamard_tile, quantize_triton.cell_tables)
+    for f in caches:
+        f.cache_clear()   # else tables made by earlier tests would hide a missing one
+    allocate_device_tables(codec, torch.device("cpu"))
+    before = [f.cache_info().currsize for f in caches]
+    cache = ta.QuantizedKVCache(codec, 1, 1, capacity=20)
+    k, v = (torch.randn(1, 1, 5, d, generator=gen) for _ in range(2))
+    cache.append(k, v, backend="triton")
+    q = torch.randn(1, 2, 1, d, generator=gen)
+    ta.cached_attention(q, cache, k[:, :, :1], v[:, :, :1], sinks=torch.zeros(2), backend="triton")
+    assert [f.cache_info().currsize for f in caches] == before

@@ -11,7 +11,7 @@ from .cache import QuantizedKVCache
 from .format.codec import check_attention_dtype
 from .ops.library import run
 from .ops.backend import choose
-from .ops.cached.config import DecodePlan, plan_decode, plan_decode_list
+from .ops.cached.config import DecodePlan, plan_decode
 
 
 def _check_tensor(name: str, t, dims: int) -> None:
@@ -109,22 +109,24 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if plan is not None and not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a turboattn.ops.cached.config.DecodePlan, got {type(plan).__name__}")
 
-    impl = choose("cached_attention", backend, q.device, d)
-    rows = tq * (hq // cache.num_kv_heads)
-    shape = (q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows)
+    # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
+    # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
+    impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
     if plan is not None:
         plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
     elif cache.is_static:
-        # Planned for the capacity: the same plan every step, a constant of a compiled graph (a CUDA graph
-        # keeps it), where the lengths held now would be a host read that changes every step.
-        plan_list = plan_decode_list(*shape, cache.capacity, num_splits, kernel=impl)
+        # The op plans for the capacity ([] or [num_splits], ops/library.py): the same plan every step, where the
+        # lengths held now would be a host read that changes every step.
+        plan_list = [] if num_splits is None else [num_splits]
     else:
-        plan_list = plan_decode(*shape, min(cache.max_seen, cache.capacity), num_splits, kernel=impl).to_list()
+        rows = tq * (hq // cache.num_kv_heads)
+        plan_list = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
+                                min(cache.max_seen, cache.capacity), num_splits, kernel=impl).to_list()
     layout = cache.layout
     return run(
         "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
         layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
-        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan_list, impl)
+        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan_list, layout.merge_counters, impl)
 
 
 def _float(x):

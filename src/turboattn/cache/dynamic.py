@@ -39,6 +39,7 @@ from ..format.codec import KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, slot_positions
 from ..ops.backend import check_backend, choose
+from ..ops.device_tables import allocate_device_tables
 from ..ops.library import run
 
 
@@ -104,6 +105,7 @@ class QuantizedKVCache:
         # Vectors stored with a NaN or infinity, per sequence: counted by the quantize kernel, so that
         # checking costs nothing until someone asks (received_nonfinite).
         self.nonfinite = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self.merge_counters = torch.zeros(batch_size, num_kv_heads, dtype=torch.int32, device=self.device)
         # The host copy of `seen` (growing mode only); a static cache keeps just whether anything was
         # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
         self._seen_host: list[int] | None = None if static else [0] * batch_size
@@ -114,6 +116,8 @@ class QuantizedKVCache:
         self._key_shifted = False
         self._key_buffers: tuple[torch.Tensor, ...] | None = None   # static: the transform's fixed storage
         self._mark_static()
+        if self.device.type == "cuda":
+            allocate_device_tables(codec, self.device)   # before any CUDA graph (ops/device_tables.py)
 
     # -- state ---------------------------------------------------------------
     @property
@@ -121,7 +125,7 @@ class QuantizedKVCache:
         """The tensors as the ops take them (a view: writes through it land in this cache)."""
         return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
                            self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted,
-                           self.nonfinite)
+                           self.nonfinite, self.merge_counters)
 
     @property
     def is_ring(self) -> bool:
@@ -167,7 +171,7 @@ class QuantizedKVCache:
         compiling (a compiled prefill allocates them): that marking is for the next compile."""
         if self.is_static and not torch.compiler.is_compiling():
             for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts,
-                                 self.nonfinite):
+                                 self.nonfinite, self.merge_counters):
                 torch._dynamo.mark_static_address(t)
 
     @property
@@ -329,7 +333,7 @@ class QuantizedKVCache:
         idx_dev = torch.tensor(idx, dtype=torch.int64, device=self.device)
         # A static cache keeps its storage (addresses included, for CUDA graphs) while B stays, as in beam search.
         in_place = self.is_static and len(idx) == self.batch_size
-        for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite",
+        for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite", "merge_counters",
                      "key_shift", "key_gain", "key_gain_inv"):
             t = getattr(self, name)
             if t is not None:

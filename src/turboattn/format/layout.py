@@ -39,6 +39,9 @@ class CacheLayout:
     key_gain_inv: torch.Tensor | None = None
     key_shifted: bool = False                # whether key_shift is non-zero (a host flag: no sync to read it)
     nonfinite: torch.Tensor | None = None    # [B] int32 counter, or None: quantize-append does not count
+    # [B, Hkv] int32, zero between launches: the CUDA kernel's fused-merge arrival counters.  Owned by the
+    # cache, so that they are allocated before any CUDA graph is captured (None: the kernel keeps its own).
+    merge_counters: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

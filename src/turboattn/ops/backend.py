@@ -49,7 +49,7 @@ def implementations(op: str) -> list[Implementation]:
 
 
 @lru_cache(maxsize=None)
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
     try:
         importlib.import_module(module)
     except ImportError:
@@ -72,7 +72,7 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
     if backend == "auto":
         for impl in implementations(op):
             if ((device.type in impl.devices or "*" in impl.devices) and impl.serves(head_dim)
-                    and all(_importable(m) for m in impl.requires)):
+                    and all(importable(m) for m in impl.requires)):
                 return impl.name
         # torch covers every device and head dim
         raise RuntimeError(f"no implementation of {op} supports device {device} with head_dim={head_dim}")
@@ -82,7 +82,7 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
     if not impl.serves(head_dim):
         raise ValueError(f"backend={backend!r} for {op} serves head_dim in {impl.head_dims}, got "
                          f"head_dim={head_dim}; use backend='torch' (or 'auto')")
-    missing = [m for m in impl.requires if not _importable(m)]
+    missing = [m for m in impl.requires if not importable(m)]
     if missing:
         raise RuntimeError(f"backend={backend!r} needs the {', '.join(missing)} package; install it or use "
                            "backend='torch'")

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..format.codec import KVCodec
 from ..format.layout import CacheLayout
 from . import backend, cached, flash, quantize  # noqa: F401  (the packages register their implementations)
-from .cached.config import DecodePlan
+from .cached.config import DecodePlan, plan_decode
 
 
 @lru_cache(maxsize=None)
@@ -27,9 +27,9 @@ def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected
 
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
-            key_gain_inv=None, key_shifted=False, nonfinite=None) -> CacheLayout:
+            key_gain_inv=None, key_shifted=False, nonfinite=None, merge_counters=None) -> CacheLayout:
     return CacheLayout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
-                       key_gain_inv, key_shifted, nonfinite)
+                       key_gain_inv, key_shifted, nonfinite, merge_counters)
 
 
 def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
@@ -58,21 +58,33 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
                      seen: Tensor, starts: Tensor, k: Tensor | None, v: Tensor | None, key_shift: Tensor | None,
                      key_gain: Tensor | None, key_gain_inv: Tensor | None, key_shifted: bool,
                      sinks: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
-                     scale: float | None, softcap: float | None, plan: list[int], impl: str) -> Tensor:
-    """Attention of q [B, Hq, Tq, D] over the cache (plus fresh k, v); plan is DecodePlan.to_list()."""
+                     scale: float | None, softcap: float | None, plan: list[int], merge_counters: Tensor | None,
+                     impl: str) -> Tensor:
+    """Attention of q [B, Hq, Tq, D] over the cache (plus fresh k, v).  plan is a DecodePlan.to_list(), or [] /
+    [num_splits]: planned here for the cache's capacity (a static cache's plan; planned in the op because under
+    torch.compile with dynamic shapes q's sizes are symbols, from which no constant plan can be made).
+    merge_counters (the CUDA kernel's, zero before and after) is written during the call: a mutated argument."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
-                     key_gain_inv, key_shifted)
-    return backend.load("cached_attention", impl)(q, layout, _codec(q.shape[-1], k_bits, v_bits), k, v,
-                                                  scale=scale, softcap=softcap, sinks=sinks,
-                                                  plan=DecodePlan.from_list(plan))
+                     key_gain_inv, key_shifted, merge_counters=merge_counters)
+    codec = _codec(q.shape[-1], k_bits, v_bits)
+    if len(plan) > 1:
+        decode_plan = DecodePlan.from_list(plan)
+    else:
+        b, hq, tq, d = q.shape
+        hkv = layout.num_kv_heads
+        decode_plan = plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity,
+                                  plan[0] if plan else None, kernel=impl)
+    return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
+                                                  sinks=sinks, plan=decode_plan)
 
 
-cached_attention = torch.library.custom_op("turboattn::cached_attention", _cached_attention, mutates_args=())
+cached_attention = torch.library.custom_op("turboattn::cached_attention", _cached_attention,
+                                           mutates_args=("merge_counters",))
 
 
 @cached_attention.register_fake
 def _(q, k_codes, k_scales, v_codes, v_scales, seen, starts, k, v, key_shift, key_gain, key_gain_inv, key_shifted,
-      sinks, sliding_window, k_bits, v_bits, scale, softcap, plan, impl):
+      sinks, sliding_window, k_bits, v_bits, scale, softcap, plan, merge_counters, impl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

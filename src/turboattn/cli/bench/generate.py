@@ -9,7 +9,8 @@ greedy decoding is timed on each path:
 - `bf16-compiled`: `generate(cache_implementation="static")`, which transformers compiles (reduce-overhead);
 - `turboattn`: TurboQuantCache k4v4, growing storage, eager;
 - `turboattn-compiled`: TurboQuantCache(max_cache_len=...), which is compileable, so `generate` compiles it;
-- `bf16-loop`, `turboattn-loop`: a hand-written greedy loop passing `cache_position` (no generate overhead).
+- `bf16-loop`, `turboattn-loop`: a hand-written greedy loop passing `cache_position` (no generate overhead),
+  the prompt prefilled in chunks (`--prefill-chunk`), so that batches too large for one prefill forward run.
 
 generate paths: ms/token = (time of prefill + N steps - time of prefill + 1 step) / (N - 1), medians of
 `--repeats`, so the prompt's cost cancels.  Loop paths time N steps after the prefill directly.  A path that
@@ -47,6 +48,9 @@ def add_arguments(parser) -> None:
                         help="decoder layers (default: the model shape's)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per generate measurement (median)")
     parser.add_argument("--bits", type=preset, default="k4v4", help="bits of the turboattn cache")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=65536, metavar="TOKENS",
+                        help="loop paths: prompt tokens per prefill forward, all sequences together (generate paths "
+                             "prefill in one forward)")
 
 
 def _model(shape: str, layers: int | None):
@@ -97,11 +101,22 @@ def _time_generate(model, ids, new_tokens: int, repeats: int, make_cache, **kwar
     return 1e3 * (long - short) / (new_tokens - 1), made["cache"]
 
 
-def _time_loop(model, ids, new_tokens: int, cache) -> float:
+def _prefill(model, ids, cache, chunk_tokens: int):
+    """Logits of the last prompt token, the prompt fed in chunks of about chunk_tokens tokens (all sequences
+    together): a 32-sequence 32K prompt in one forward would need ~30 GB for one MLP activation alone."""
+    b, t = ids.shape
+    step = max(1, chunk_tokens // b)
+    for start in range(0, t, step):
+        end = min(start + step, t)
+        out = model(ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    cache_position=torch.arange(start, end, device=ids.device))
+    return out.logits
+
+
+def _time_loop(model, ids, new_tokens: int, cache, chunk_tokens: int) -> float:
     """ms per token of a greedy loop that passes cache_position (what a lean serving loop does)."""
     b, t = ids.shape
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    token = _prefill(model, ids, cache, chunk_tokens)[:, -1].argmax(-1, keepdim=True)
     position = torch.tensor([t], device=ids.device)
 
     def step():
@@ -144,11 +159,11 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
                                    lambda: TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens))
         kv_bytes = cache.nbytes
     elif path == "bf16-loop":
-        ms = _time_loop(model, ids, args.new_tokens, DynamicCache(config=config))
+        ms = _time_loop(model, ids, args.new_tokens, DynamicCache(config=config), args.prefill_chunk)
         kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens + 2)
     else:
         cache = TurboQuantCache(config, k_bits, v_bits)
-        ms = _time_loop(model, ids, args.new_tokens, cache)
+        ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk)
         kv_bytes = cache.nbytes
     return {"ms_per_token": ms, "kv_cache_gib": kv_bytes / 2**30}
 
@@ -166,6 +181,7 @@ def run(args) -> int:
         for path in args.paths:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            torch._dynamo.reset()   # each compiled path compiles afresh, not on top of another path's graphs
             row = {"model": args.model, "batch": batch, "context": context, "path": path}
             try:
                 row.update(_run_path(path, model, ids, args, k_bits, v_bits))

@@ -115,14 +115,3 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
         lookup = "gather"
     return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup)
-
-
-# torch.compile calls this while tracing and keeps the list as a constant of the graph: planning is host
-# arithmetic on shapes and the SM count, not worth tracing (through lru_caches and a CUDA device query).
-@torch.compiler.assume_constant_result
-def plan_decode_list(device: torch.device, head_dim: int, k_bits: int, v_bits: int, batch_kv_heads: int,
-                     query_rows: int, max_tokens: int, num_splits: int | None = None,
-                     kernel: str = "triton") -> list[int]:
-    """plan_decode(...).to_list(), the form the op takes."""
-    return plan_decode(device, head_dim, k_bits, v_bits, batch_kv_heads, query_rows, max_tokens, num_splits,
-                       kernel=kernel).to_list()

@@ -98,11 +98,12 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
         if layout.has_key_transform and layout.key_shifted:
             key_shift = layout.key_shift
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
+    counters = layout.merge_counters if layout.merge_counters is not None else _counters(dev, b * hkv)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     ext.decode_k4(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                   layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
                   device_centroids(4, dev, torch.float32), o_part, lse_part, float(q_scale), float(softcap or 0.0),
                   layout.sliding_window or 0, plan.num_splits, plan.num_splits, layout.is_ring, k is not None,
-                  CHUNK_ALIGN, CUDA_CTAS_PER_SM[d], _counters(dev, b * hkv), out, sinks, k, v, key_shift)
+                  CHUNK_ALIGN, CUDA_CTAS_PER_SM[d], counters, out, sinks, k, v, key_shift)
     return out

@@ -1,0 +1,33 @@
+"""The kernels' read-only per-device tables (codebooks, signs, Hadamard tiles), made ahead of time.
+
+Each table is cached per device on first use.  Made for the first time inside torch.compile's CUDA-graph
+warm-up (mode="reduce-overhead"), a table is allocated from the graph's private memory pool and outlives
+the graph, which inductor refuses ("tensor(s) in the cudagraph pool not tracked as outputs").  A cache on
+a GPU therefore makes every table its kernels will read when it is created, in eager code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..format.codebook import device_centroids
+from ..format.codec import KVCodec
+from ..format.rotation import device_signs
+from .backend import importable
+
+
+def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
+    """Make (or find cached) every table the quantize and attention kernels read for this codec."""
+    d = codec.head_dim
+    device_signs(d, device)
+    for bits in {codec.k_bits, codec.v_bits, 4}:
+        for dtype in (torch.float32, torch.float16):
+            device_centroids(bits, device, dtype)
+    if not importable("triton") or d & (d - 1):   # the kernels serve powers of two only
+        return
+    from .quantize.triton import cell_tables
+    from .triton_lib import hadamard_tile
+    for n in {d // 2, min(d, 256)}:
+        hadamard_tile(n, device)
+    for bits in {codec.k_bits, codec.v_bits}:
+        cell_tables(bits, device)
