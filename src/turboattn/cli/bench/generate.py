@@ -6,11 +6,14 @@ heads, head_dim 64, 16 layers).  For every batch x context of `--grid` a prompt 
 greedy decoding is timed on each path:
 
 - `bf16`: transformers' default (SDPA attention, DynamicCache), `model.generate`;
-- `bf16-compiled`: `generate(cache_implementation="static")`, which transformers compiles (reduce-overhead);
+- `bf16-compiled`: `generate` with a StaticCache, which transformers compiles (reduce-overhead);
 - `turboattn`: TurboQuantCache k4v4, growing storage, eager;
 - `turboattn-compiled`: TurboQuantCache(max_cache_len=...), which is compileable, so `generate` compiles it;
 - `bf16-loop`, `turboattn-loop`: a hand-written greedy loop passing `cache_position` (no generate overhead),
-  the prompt prefilled in chunks (`--prefill-chunk`), so that batches too large for one prefill forward run.
+  the prompt prefilled in chunks (`--prefill-chunk`), so that batches too large for one prefill forward run;
+- `bf16-compiled-loop`, `turboattn-compiled-loop`: that loop with the decode step under
+  `torch.compile(mode="reduce-overhead")` (StaticCache / TurboQuantCache(max_cache_len)): GPU time with
+  neither generate's nor eager PyTorch's host overhead.
 
 generate paths: ms/token = (time of prefill + N steps - time of prefill + 1 step) / (N - 1), medians of
 `--repeats`, so the prompt's cost cancels.  Loop paths time N steps after the prefill directly.  A path that
@@ -34,7 +37,8 @@ MODEL_SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                num_hidden_layers=16, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True),
 }
-PATHS = ("bf16", "bf16-compiled", "turboattn", "turboattn-compiled", "bf16-loop", "turboattn-loop")
+PATHS = ("bf16", "bf16-compiled", "turboattn", "turboattn-compiled", "bf16-loop", "turboattn-loop",
+         "bf16-compiled-loop", "turboattn-compiled-loop")
 
 
 def add_arguments(parser) -> None:
@@ -113,16 +117,22 @@ def _prefill(model, ids, cache, chunk_tokens: int):
     return out.logits
 
 
-def _time_loop(model, ids, new_tokens: int, cache, chunk_tokens: int) -> float:
-    """ms per token of a greedy loop that passes cache_position (what a lean serving loop does)."""
+def _time_loop(model, ids, new_tokens: int, cache, chunk_tokens: int, compiled: bool = False) -> float:
+    """ms per token of a greedy loop that passes cache_position (what a lean serving loop does); compiled: its
+    decode step through torch.compile(mode="reduce-overhead"), inductor plus CUDA graphs (the prefill stays eager)."""
     b, t = ids.shape
     token = _prefill(model, ids, cache, chunk_tokens)[:, -1].argmax(-1, keepdim=True)
     position = torch.tensor([t], device=ids.device)
 
+    def forward(token, position):
+        return model(token, past_key_values=cache, cache_position=position, use_cache=True).logits
+    if compiled:
+        forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+
     def step():
         nonlocal token, position
-        logits = model(token, past_key_values=cache, cache_position=position, use_cache=True).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
+        # argmax reads the logits before the next replay of a CUDA graph overwrites them
+        token = forward(token, position)[:, -1].argmax(-1, keepdim=True)
         position = position + 1
     for _ in range(2):
         step()
@@ -135,7 +145,7 @@ def _time_loop(model, ids, new_tokens: int, cache, chunk_tokens: int) -> float:
 
 
 def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     from ...hf import TurboQuantCache
     config = model.config
@@ -147,8 +157,10 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
         ms, _ = _time_generate(model, ids, args.new_tokens, args.repeats, lambda: None)
         kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens)
     elif path == "bf16-compiled":
-        ms, _ = _time_generate(model, ids, args.new_tokens, args.repeats, lambda: None,
-                               cache_implementation="static")
+        # One capacity for every call (as turboattn-compiled): cache_implementation="static" would size the cache
+        # from max_new_tokens, so the timed calls would compile again.
+        ms, _ = _time_generate(model, ids, args.new_tokens, args.repeats,
+                               lambda: StaticCache(config=config, max_cache_len=tokens))
         kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens)
     elif path == "turboattn":
         ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
@@ -161,6 +173,14 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
     elif path == "bf16-loop":
         ms = _time_loop(model, ids, args.new_tokens, DynamicCache(config=config), args.prefill_chunk)
         kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens + 2)
+    elif path == "bf16-compiled-loop":
+        ms = _time_loop(model, ids, args.new_tokens, StaticCache(config=config, max_cache_len=tokens),
+                        args.prefill_chunk, compiled=True)
+        kv_bytes = _bf16_cache_bytes(config, b, tokens)
+    elif path == "turboattn-compiled-loop":
+        cache = TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens)
+        ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk, compiled=True)
+        kv_bytes = cache.nbytes
     else:
         cache = TurboQuantCache(config, k_bits, v_bits)
         ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk)
