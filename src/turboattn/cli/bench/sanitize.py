@@ -8,8 +8,8 @@ attention), synchronizes, and prints one line; the sanitizer reports any
 out-of-bounds or misaligned access.  The command exits with status 1 if an
 output is not finite, so a run also fails on a silent wrong result.
 
-  small    D 128 / 512 / 64 at k4v4 / k8v3 / k5v6, a ring cache (window 100), ragged
-           lengths (250 and 117 tokens), a 3-token step with fresh K/V and attention sinks;
+  small    D 128 / 256 / 512 / 64 at k4v4 / k8v3 / k5v6, ring caches (window 100), ragged
+           lengths (250 and 117 tokens), 3-token and 1-token steps with fresh K/V and attention sinks;
   passkey  SmolLM2's shapes (D 64, 3 KV heads, 9 query heads): a --prompt-token prefill,
            a 12-token question, then one-token steps, with and without a fitted key
            transform, at k4v3, k4v4, k8v8 and k5v3 (the configuration that once read
@@ -40,16 +40,19 @@ def _bf16(*shape):
 
 
 def small_cases():
-    """(name, output) of a decode step over ragged, ring and plain caches."""
-    for d, bits, window in ((128, (4, 4), None), (512, (8, 3), 100), (64, (5, 6), None)):
+    """(name, output) of decode steps over ragged, ring and plain caches: 3 tokens (12 query rows per KV head,
+    the Triton kernels) and 1 token (4 rows: the CUDA kernel at k4v4 and D 64/128/256)."""
+    for d, bits, window in ((128, (4, 4), None), (128, (4, 4), 100), (256, (4, 4), None), (512, (8, 3), 100),
+                            (64, (5, 6), None)):
         cache = ta.QuantizedKVCache(ta.KVCodec(d, *bits), 2, 2, capacity=None if window else 300,
                                     sliding_window=window, device="cuda")
         k = _bf16(2, 2, 250, d)
         cache.append(k, torch.randn_like(k), new_lengths=[250, 117])
-        kf = _bf16(2, 2, 3, d)
-        out = ta.cached_attention(_bf16(2, 8, 3, d), cache, kf, torch.randn_like(kf),
-                                  sinks=torch.randn(8, device="cuda"))
-        yield f"D={d} k{bits[0]}v{bits[1]} window={window}", out
+        for t in (3, 1):
+            kf = _bf16(2, 2, t, d)
+            out = ta.cached_attention(_bf16(2, 8, t, d), cache, kf, torch.randn_like(kf),
+                                      sinks=torch.randn(8, device="cuda"))
+            yield f"D={d} k{bits[0]}v{bits[1]} window={window} tokens={t}", out
 
 
 def passkey_cases(prompt: int):
