@@ -43,8 +43,9 @@ so a decode step reads nothing on the host and compiles once
 Prefill runs eagerly, as in transformers' own static caches.
 
 Exact recent window (`exact_recent=R`): every layer's QuantizedKVCache also
-keeps its R newest tokens in the model's dtype (the config's; bfloat16 when it
-names none) and attention reads them exactly (cache/dynamic.py).  A sliding
+keeps its R newest tokens in the model's dtype (the config's; when it names
+none, the dtype of the K/V the layer is first given; bfloat16 for any other
+dtype) and attention reads them exactly (cache/dynamic.py).  A sliding
 layer's window W bounds what it can see: its R is clamped to W - 1 (every past
 token its window shows is then exact).
 """
@@ -91,7 +92,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def __init__(self, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  sliding_window: int | None = None, quantize_current: bool = False,
                  max_cache_len: int | None = None, fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0,
-                 exact_dtype: torch.dtype = torch.bfloat16):
+                 exact_dtype: torch.dtype | None = None):
         super().__init__()
         self.k_bits, self.v_bits, self.scale_rule = k_bits, v_bits, scale_rule
         self.fit_keys = fit_keys
@@ -101,7 +102,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         # A sliding layer sees at most W - 1 past tokens: a longer exact window would hold nothing more.
         self.exact_recent = exact_recent if sliding_window is None else min(exact_recent, sliding_window - 1)
-        self.exact_dtype = exact_dtype
+        self.exact_dtype = exact_dtype   # None: the dtype of the first K/V (the model's)
         self.is_compileable = max_cache_len is not None   # static: nothing in a step depends on host lengths
         self.cache: QuantizedKVCache | None = None
 
@@ -117,7 +118,8 @@ class TurboQuantLayer(CacheLayerMixin):
             capacity = self.max_cache_len or max(_INITIAL_CAPACITY, t)
         self.cache = QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=self.sliding_window,
                                       device=key_states.device, static=self.is_compileable,
-                                      exact_recent=self.exact_recent, exact_dtype=self.exact_dtype)
+                                      exact_recent=self.exact_recent,
+                                      exact_dtype=self.exact_dtype or _exact_dtype(key_states.dtype))
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -264,17 +266,25 @@ class TurboQuantLayer(CacheLayerMixin):
             raise ValueError("padding after the first chunk is not supported by TurboQuantCache")
 
 
-def _model_dtype(config) -> torch.dtype:
-    """The model's dtype from its config (a torch.dtype or its name), bfloat16 when it names none of
-    float16, bfloat16, float32: the exact window's dtype."""
+_EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _exact_dtype(dtype) -> torch.dtype:
+    """The exact window's dtype for a model of this dtype: itself when the window can hold it, else bfloat16."""
+    return dtype if dtype in _EXACT_DTYPES else torch.bfloat16
+
+
+def _model_dtype(config) -> torch.dtype | None:
+    """The model's dtype as its config names it (a torch.dtype or its name), for the exact window; None when the
+    config names none (a config built by hand): the layers then take the dtype of their first K/V."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     for cfg in (text, config):
-        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        dtype = getattr(cfg, "dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.removeprefix("torch."), None)
-        if dtype in (torch.float16, torch.bfloat16, torch.float32):
-            return dtype
-    return torch.bfloat16
+        if isinstance(dtype, torch.dtype):
+            return _exact_dtype(dtype)
+    return None
 
 
 def _layer_types(config) -> list[tuple[str, int | None]]:
