@@ -1,4 +1,5 @@
-"""TurboQuantCache(exact_recent=R) in transformers models, its file format, and `turboattn eval --exact-recent`."""
+"""TurboQuantCache(exact_recent=R) in transformers models, its file format, and `turboattn eval --exact-recent`
+(its chunked decode emulation is checked in test_evaluate.py)."""
 
 from __future__ import annotations
 
@@ -31,23 +32,6 @@ def test_a_window_covering_every_token_gives_the_exact_cache(factory, max_len):
         assert layer.cache.exact_dtype == torch.float32   # the model's (its config names none)
     coarse = teacher_forced_logits(model, ids, TurboQuantCache(model.config, 2, 2, max_cache_len=max_len), 20)
     assert (coarse - exact).abs().max() > 1e-2   # without the window the codes show: the check above has teeth
-
-
-@pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
-@torch.no_grad()
-def test_decode_emulation_with_a_window_equals_token_by_token(factory):
-    """`turboattn eval` scores decode mode in chunks of 14 through DecodeEmulationLayer; with R = 5 the query at p
-    reads [p - 5, p) exactly: equal to real one-token steps."""
-    model = factory()
-    ids = random_ids(40)
-    method = ev.turbo_method("k4v3", "corrected", "decode", exact_recent=5)
-    exact = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode", exact_decode=True,
-                                                              exact_recent=5).make_cache(model), 20, step=1)
-    chunked = teacher_forced_logits(model, ids, method.make_cache(model), 20, step=14)
-    torch.testing.assert_close(chunked, exact, atol=1e-4, rtol=0)
-    plain = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode").make_cache(model), 20,
-                                  step=14)
-    assert (plain - exact).abs().max() > 1e-2   # the window matters, so the check above has teeth
 
 
 def test_options_names_and_bits():
