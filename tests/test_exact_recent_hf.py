@@ -41,6 +41,9 @@ def test_options_names_and_bits():
     method = ev.turbo_method("k4v4", "corrected", "decode", exact_recent=32)
     assert method.name == "k4v4-corrected-decode-center-r32" and method.info["exact_recent"] == 32
     assert ev.turbo_method("k4v4", "corrected", "decode").name == "k4v4-corrected-decode-center"
+    # Strict mode in chunks shares one window boundary per call: with a window it steps token by token.
+    assert ev.turbo_method("k4v4", "corrected", "strict", exact_recent=32).step == 1
+    assert ev.turbo_method("k4v4", "corrected", "strict").step > 1 and method.step > 1
     cache = TurboQuantCache(model.config, 4, 4, exact_recent=8)
     with torch.no_grad():
         model(input_ids=random_ids(24), past_key_values=cache, use_cache=True)

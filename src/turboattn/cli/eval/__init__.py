@@ -29,7 +29,9 @@ CPU the exact PyTorch reference), only the cache differs:
   - `--exact-recent R,...` adds every turboattn method with an exact window of
     the R newest tokens (TurboQuantCache(exact_recent=R); names end in -rR);
     their bits per element count the window's bytes at the measured length
-    (prefill + scored tokens: TurboQuantCache.bits_per_element).
+    (prefill + scored tokens: TurboQuantCache.bits_per_element).  Strict mode
+    with a window is stepped token by token (a chunk would share one window
+    boundary among its queries).
 
 The package: methods.py (presets and cache configurations), peers.py (other
 quantizers), scoring.py (the metrics), passkey.py, report.py (tables, plot,

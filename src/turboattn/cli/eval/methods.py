@@ -53,7 +53,9 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
     """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
     (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
     fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys].
-    exact_recent=R > 0 keeps the R newest tokens exact (TurboQuantCache(exact_recent=R)); the name ends in -r{R}."""
+    exact_recent=R > 0 keeps the R newest tokens exact (TurboQuantCache(exact_recent=R)); the name ends in -r{R}.
+    Strict mode with a window is stepped token by token: in a chunk every query would read the window of the
+    chunk's last token (one boundary per call), which one-token steps do not."""
     from ...hf import KEY_FIT_DEFAULT, TurboQuantCache
     fit_keys = fit_keys or KEY_FIT_DEFAULT
     kb, vb = parse_preset(preset)
@@ -67,5 +69,6 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
         return cache
     name = method_name(preset, rule, mode, fit_keys, exact_recent)
-    return Method(name, "turboattn", make, step=1 if exact_decode else chunk,
+    stepped = exact_decode or (strict and exact_recent > 0)
+    return Method(name, "turboattn", make, step=1 if stepped else chunk,
                   info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys, exact_recent=exact_recent))
