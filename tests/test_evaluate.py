@@ -45,20 +45,28 @@ def test_compare_metrics():
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("prefill", [12, 20], ids=["short-prompt", "fitted"])
+@pytest.mark.parametrize("exact_recent", [0, 5], ids=["codes", "exact-window"])
 @torch.no_grad()
-def test_decode_emulation_equals_token_by_token(factory, prefill):
+def test_decode_emulation_equals_token_by_token(factory, prefill, exact_recent):
     """The eval scores decode mode in chunks; that must equal real one-token decode steps
-    (with and without a key transform: a 20-token prompt fits one)."""
+    (with and without a key transform: a 20-token prompt fits one; with an exact window of the 5 newest
+    tokens: the query at p reads [p - 5, p) exactly)."""
     model = factory()
     ids = random_ids(40)
-    exact = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode", exact_decode=True)
-                                  .make_cache(model), prefill, step=1)
-    chunked = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode").make_cache(model),
+    exact = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode", exact_decode=True,
+                                                              exact_recent=exact_recent).make_cache(model),
+                                  prefill, step=1)
+    chunked = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode",
+                                                                exact_recent=exact_recent).make_cache(model),
                                     prefill, step=14)
     torch.testing.assert_close(chunked, exact, atol=1e-4, rtol=0)
     strict = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "strict").make_cache(model),
                                    prefill, step=14)
     assert (strict - exact).abs().max() > 1e-2  # the modes differ, so the check above has teeth
+    if exact_recent:
+        plain = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode").make_cache(model),
+                                      prefill, step=14)
+        assert (plain - exact).abs().max() > 1e-2   # the window matters: the check above reads it
 
 
 def test_corpus_is_the_jargon_file():

@@ -25,6 +25,13 @@ set while the cache is empty; keys are then stored as (k - shift) * gain, and
 A K or V vector holding a NaN or infinity is stored as NaN (codec.quantize), so it reaches the
 outputs of exactly the queries that see it; `nonfinite` counts such vectors per sequence on the
 device, and `received_nonfinite()` reads it (the only host sync).
+
+Exact recent window (`exact_recent=R`, default 0 = off): every token is still coded as above, and the
+R newest of each sequence are also kept in full precision (`exact_dtype`, the model's domain) in a
+small ring, `recent_k` / `recent_v` [B, Hkv, R + 1, D] (layout.py); attention reads positions
+[seen - R, seen) from it and older ones from the codes.  An append writes its last min(T, R) real
+tokens with one scatter (positions from the device `seen`: no host sync).  A crop that drops tokens
+whose exact copies were overwritten refills those rows from the codes (crop's docstring).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch
 
 from ..format.codec import KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
-from ..format.layout import CacheLayout, dequantize_slots, slot_positions
+from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops.backend import check_backend, choose
 from ..ops.device_tables import allocate_device_tables
 from ..ops.library import run
@@ -63,7 +70,8 @@ def _host_ints(values) -> list[int] | None:
 
 class QuantizedKVCache:
     def __init__(self, codec: KVCodec, batch_size: int, num_kv_heads: int, capacity: int | None = None,
-                 sliding_window: int | None = None, device=None, static: bool = False):
+                 sliding_window: int | None = None, device=None, static: bool = False, exact_recent: int = 0,
+                 exact_dtype: torch.dtype = torch.bfloat16):
         if not isinstance(codec, KVCodec):
             raise TypeError(f"codec must be a turboattn.KVCodec, got {type(codec).__name__}")
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
@@ -80,6 +88,13 @@ class QuantizedKVCache:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if not isinstance(static, bool):
             raise TypeError(f"static must be a bool, got {type(static).__name__}")
+        if not _is_int(exact_recent) or exact_recent < 0:
+            raise ValueError(f"exact_recent must be a non-negative int (0: off), got {exact_recent!r}")
+        if sliding_window is not None and exact_recent >= sliding_window:
+            raise ValueError(f"exact_recent={exact_recent} must be smaller than sliding_window={sliding_window} "
+                             "(a ring cache's window bounds what attention sees)")
+        if exact_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"exact_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {exact_dtype!r}")
         try:
             device = torch.device(device) if device is not None else torch.device("cpu")
         except (RuntimeError, TypeError):
@@ -106,6 +121,14 @@ class QuantizedKVCache:
         # checking costs nothing until someone asks (received_nonfinite).
         self.nonfinite = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self.merge_counters = torch.zeros(batch_size, num_kv_heads, dtype=torch.int32, device=self.device)
+        # The exact recent window: position p in row p % R, row R a scratch row for masked writes.
+        self.exact_recent = exact_recent
+        self.exact_dtype = exact_dtype
+        self.recent_k = self.recent_v = None
+        if exact_recent:
+            window_shape = (batch_size, num_kv_heads, exact_recent + 1, codec.head_dim)
+            self.recent_k = torch.zeros(window_shape, dtype=exact_dtype, device=self.device)
+            self.recent_v = torch.zeros(window_shape, dtype=exact_dtype, device=self.device)
         # The host copy of `seen` (growing mode only); a static cache keeps just whether anything was
         # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
         self._seen_host: list[int] | None = None if static else [0] * batch_size
@@ -125,7 +148,7 @@ class QuantizedKVCache:
         """The tensors as the ops take them (a view: writes through it land in this cache)."""
         return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
                            self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted,
-                           self.nonfinite, self.merge_counters)
+                           self.nonfinite, self.merge_counters, self.recent_k, self.recent_v, self.exact_recent)
 
     @property
     def is_ring(self) -> bool:
@@ -171,13 +194,22 @@ class QuantizedKVCache:
         compiling (a compiled prefill allocates them): that marking is for the next compile."""
         if self.is_static and not torch.compiler.is_compiling():
             for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts,
-                                 self.nonfinite, self.merge_counters):
+                                 self.nonfinite, self.merge_counters, *self._recent_buffers):
                 torch._dynamo.mark_static_address(t)
+
+    @property
+    def _recent_buffers(self) -> tuple[torch.Tensor, ...]:
+        return () if self.recent_k is None else (self.recent_k, self.recent_v)
 
     @property
     def nbytes(self) -> int:
         codes = sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
-        return codes + self.key_transform_nbytes
+        return codes + self.key_transform_nbytes + self.exact_recent_nbytes
+
+    @property
+    def exact_recent_nbytes(self) -> int:
+        """Bytes of the exact recent window (recent_k, recent_v, scratch rows included), a fixed cost."""
+        return sum(t.numel() * t.element_size() for t in self._recent_buffers)
 
     @property
     def key_transform_nbytes(self) -> int:
@@ -190,7 +222,7 @@ class QuantizedKVCache:
 
         Codes and scales are zeroed as well, so a reset cache equals a fresh one of its capacity.
         """
-        for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales):
+        for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales, *self._recent_buffers):
             t.zero_()
         self.seen.zero_()
         self.starts.zero_()
@@ -289,10 +321,17 @@ class QuantizedKVCache:
         positions with the ones being dropped: it can drop 1 token (its spare slot: the next query's
         window needs the W - 1 tokens before it) and raises ValueError for more.  The key transform
         stays: it was fitted to the prompt.
+
+        With an exact recent window of R tokens, the rows of positions [new - R, new) that an append
+        after them overwrote (positions below old - R) no longer hold those tokens exactly: they are
+        refilled from the codes (their decoded values, cast to exact_dtype), so up to min(dropped, R)
+        window positions are read through their codes until they age out of the window.
         """
         old = self._host_lengths()
         new = self._cropped(old, max_length)
         new_dev = torch.tensor(new, dtype=torch.int32, device=self.device)
+        if self.exact_recent:
+            self._refill_recent(old, new_dev)
         # Every slot's position, padding included (starts=0): the slots at or past the new length go.
         held = slot_positions(replace(self.layout, starts=torch.zeros_like(self.starts)))
         drop = (held >= new_dev[:, None].to(torch.int64))[:, None, :, None]
@@ -308,6 +347,24 @@ class QuantizedKVCache:
         if not self.is_static:
             self._seen_host = new
         self._empty = max(new) == 0
+
+    def _refill_recent(self, old: list[int], new_dev: torch.Tensor) -> None:
+        """Before a crop to new_dev: rows whose position in the new window [new - R, new) was overwritten
+        (it lies below old - R) take the decoded codes of that position; rows without a position are zeroed."""
+        r_len = self.exact_recent
+        pos = recent_positions(replace(self.layout, seen=new_dev, starts=torch.zeros_like(self.starts)))  # [B, R]
+        old_dev = torch.tensor(old, dtype=torch.int64, device=self.device)[:, None]
+        lost = (pos >= 0) & (pos < old_dev - r_len)
+        stored = lost & ((pos < self.capacity) | self.is_ring)                      # an overflowed position has no codes
+        rows_k, rows_v = self.recent_k[:, :, :r_len], self.recent_v[:, :, :r_len]
+        if bool(stored.any()):
+            k_all, v_all = self.dequantize(torch.float32)                          # [B, Hkv, N, D]
+            slot = pos.clamp(min=0) % self.capacity if self.is_ring else pos.clamp(min=0, max=self.capacity - 1)
+            index = slot[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
+            for rows, decoded in ((rows_k, k_all), (rows_v, v_all)):
+                rows.copy_(torch.where(stored[:, None, :, None], decoded.gather(2, index).to(self.exact_dtype), rows))
+        for rows in (rows_k, rows_v):
+            rows.masked_fill_(((pos < 0) | (lost & ~stored))[:, None, :, None], 0)
 
     def cropped_lengths(self, max_length: int) -> list[int]:
         """The lengths crop(max_length) would leave per sequence, or its ValueError (nothing changes)."""
@@ -334,7 +391,7 @@ class QuantizedKVCache:
         # A static cache keeps its storage (addresses included, for CUDA graphs) while B stays, as in beam search.
         in_place = self.is_static and len(idx) == self.batch_size
         for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite", "merge_counters",
-                     "key_shift", "key_gain", "key_gain_inv"):
+                     "key_shift", "key_gain", "key_gain_inv", "recent_k", "recent_v"):
             t = getattr(self, name)
             if t is not None:
                 picked = t.index_select(0, idx_dev)
@@ -436,6 +493,8 @@ class QuantizedKVCache:
         run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
             self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
             self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)
+        if self.exact_recent:
+            self._append_recent(k, v, new_lengths, n)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
         else:
@@ -444,6 +503,33 @@ class QuantizedKVCache:
             self._empty = False
         else:
             self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
+
+    def _append_recent(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
+        """Copy the last min(T, R) real tokens of each sequence into the exact window (before `seen` moves).
+
+        One gather and one scatter per tensor, positions from the device `seen` (no sync): token j of
+        sequence b (position seen[b] + j) goes to row (seen[b] + j) % R when it is among the last R of
+        the n[b] real ones, else to the scratch row R.  The real writes of a sequence are at most R
+        consecutive positions, so no two share a row.  All real tokens are kept, also those a static
+        cache had no room to code (attention then still reads the newest R exactly)."""
+        r_len, t = self.exact_recent, k.shape[2]
+        width = min(t, r_len)
+        i = torch.arange(width, device=self.device)[None, :]                    # [1, width]
+        if new_lengths is None:
+            j = i + (t - width)                                                 # all real
+            real = torch.ones_like(j, dtype=torch.bool)
+        else:
+            count = torch.tensor(n, dtype=torch.int64, device=self.device)[:, None]
+            j = count - width + i                                               # [B, width]
+            real = j >= 0
+        j = j.expand(self.batch_size, -1)
+        real = real.expand(self.batch_size, -1)
+        row = torch.where(real, torch.remainder(self.seen.to(torch.int64)[:, None] + j, r_len),
+                          torch.full_like(j, r_len))
+        take = j.clamp(min=0)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
+        put = row[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
+        for ring, x in ((self.recent_k, k), (self.recent_v, v)):
+            ring.scatter_(2, put, x.gather(2, take).to(self.exact_dtype))
 
     # -- persistence (persist.py: a safetensors file, no pickle) ----------------------
     def save(self, path) -> None:
@@ -476,6 +562,8 @@ class QuantizedKVCache:
     def __repr__(self) -> str:
         kind = f"ring W={self.sliding_window}" if self.is_ring else f"capacity={self.capacity}"
         kind += ", static" if self.is_static else ""
+        if self.exact_recent:
+            kind += f", exact_recent={self.exact_recent} ({str(self.exact_dtype).removeprefix('torch.')})"
         return (f"QuantizedKVCache(B={self.batch_size}, Hkv={self.num_kv_heads}, {kind}, "
                 f"k{self.codec.k_bits}v{self.codec.v_bits}, D={self.codec.head_dim}, "
                 f"{'key transform, ' if self.key_gain is not None else ''}"

@@ -8,6 +8,11 @@ metadata (strings): `kind`, `file_version` (this layout), `format_version` (code
 what codes and scales mean), `head_dim`, `k_bits`, `v_bits`, `scale_rule`, `batch_size`,
 `num_kv_heads`, `capacity`, `sliding_window` ("none" or an int), `static` ("True" / "False").
 
+A cache with an exact recent window (exact_recent = R > 0) adds `recent_k`, `recent_v`
+[B, Hkv, R + 1, D] in its exact dtype and the metadata `exact_recent`, `exact_dtype`; such a file has
+file_version 2, so that a reader without the window refuses it rather than silently dropping it.  A
+cache without one is written exactly as before (file_version 1), and files of either version load.
+
 Loading checks the kind and both versions, then every tensor's dtype and shape against the header,
 and raises ValueError naming what differs.  `cache_state` / `cache_from_state` take a key prefix, so
 that a file can hold several caches (integrations/hf_persist.py: one per model layer).
@@ -26,7 +31,9 @@ from ..format.codec import FORMAT_VERSION, KVCodec
 from .dynamic import QuantizedKVCache
 
 KIND = "turboattn.QuantizedKVCache"
-FILE_VERSION = 1
+FILE_VERSION = 2          # the version a cache with an exact recent window is written with
+FILE_VERSIONS = (1, 2)    # what loads: 1 is a file without a window (what caches without one still write)
+_EXACT_DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32)}
 _SLOTS = ("k_codes", "k_scales", "v_codes", "v_scales")
 _PER_SEQUENCE = ("seen", "starts", "nonfinite")
 _KEY_TRANSFORM = ("key_shift", "key_gain", "key_gain_inv")
@@ -41,12 +48,16 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
     tensors.update({name: getattr(cache, name) for name in _PER_SEQUENCE})
     if cache.key_gain is not None:
         tensors.update({name: getattr(cache, name) for name in _KEY_TRANSFORM})
+    if cache.exact_recent:
+        tensors.update(recent_k=cache.recent_k, recent_v=cache.recent_v)
     codec = cache.codec
-    meta = {"kind": KIND, "file_version": FILE_VERSION, "format_version": FORMAT_VERSION,
+    meta = {"kind": KIND, "file_version": FILE_VERSION if cache.exact_recent else 1, "format_version": FORMAT_VERSION,
             "head_dim": codec.head_dim, "k_bits": codec.k_bits, "v_bits": codec.v_bits,
             "scale_rule": codec.scale_rule, "batch_size": cache.batch_size, "num_kv_heads": cache.num_kv_heads,
             "capacity": cache.capacity, "sliding_window": "none" if cache.sliding_window is None
             else cache.sliding_window, "static": cache.is_static}
+    if cache.exact_recent:
+        meta.update(exact_recent=cache.exact_recent, exact_dtype=str(cache.exact_dtype))
     # safetensors wants contiguous tensors that share no storage; the file is written from the host.
     return ({prefix + k: t.detach().contiguous().cpu() for k, t in tensors.items()},
             {prefix + k: str(v) for k, v in meta.items()})
@@ -71,9 +82,9 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
 
     if header("kind") != KIND:
         raise ValueError(f"{source}: holds a {header('kind')!r}, not a {KIND}")
-    for name, want in (("file_version", FILE_VERSION), ("format_version", FORMAT_VERSION)):
-        if integer(name) != want:
-            raise ValueError(f"{source}: {name} {integer(name)} differs from this turboattn's {want}; "
+    for name, accepted in (("file_version", FILE_VERSIONS), ("format_version", (FORMAT_VERSION,))):
+        if integer(name) not in accepted:
+            raise ValueError(f"{source}: {name} {integer(name)} differs from this turboattn's {accepted[-1]}; "
                              "the file was written by another version and cannot be read")
     try:
         codec = KVCodec(integer("head_dim"), integer("k_bits"), integer("v_bits"), header("scale_rule"))
@@ -84,6 +95,13 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     if header("static") not in ("True", "False"):
         raise ValueError(f"{source}: metadata {prefix + 'static'!r} must be True or False, got {header('static')!r}")
     static = header("static") == "True"
+    exact_recent, exact_dtype = 0, torch.bfloat16
+    if prefix + "exact_recent" in meta:   # files without it (version 1) have no window
+        exact_recent = integer("exact_recent")
+        if header("exact_dtype") not in _EXACT_DTYPES:
+            raise ValueError(f"{source}: metadata {prefix + 'exact_dtype'!r} must be one of {list(_EXACT_DTYPES)}, "
+                             f"got {header('exact_dtype')!r}")
+        exact_dtype = _EXACT_DTYPES[header("exact_dtype")]
 
     def tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if prefix + name not in tensors:
@@ -99,8 +117,11 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     if int(seen.min()) < 0 or (window is None and held < int(seen.max())):
         raise ValueError(f"{source}: lengths {seen.tolist()} do not fit capacity={capacity}")
     device = torch.device(device) if device is not None else seen.device
-    cache = QuantizedKVCache(codec, b, hkv, capacity=None if window else capacity, sliding_window=window,
-                             device=device, static=static)
+    try:
+        cache = QuantizedKVCache(codec, b, hkv, capacity=None if window else capacity, sliding_window=window,
+                                 device=device, static=static, exact_recent=exact_recent, exact_dtype=exact_dtype)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     if cache.capacity != capacity:
         raise ValueError(f"{source}: capacity {capacity} differs from sliding_window={window}")
     nb = codec.num_blocks
@@ -115,6 +136,8 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
                                  for n in _KEY_TRANSFORM)
         cache.set_key_transform(shift, gain)
         cache.key_gain_inv.copy_(gain_inv)
+    for name in ("recent_k", "recent_v") if exact_recent else ():
+        getattr(cache, name).copy_(tensor(name, exact_dtype, (b, hkv, exact_recent + 1, codec.head_dim)))
     for name in _PER_SEQUENCE:
         getattr(cache, name).copy_(tensor(name, torch.int32, (b,)))
     if static:

@@ -80,6 +80,18 @@ def positive_ints(text: str) -> list[int]:
     return out
 
 
+def non_negative_ints(text: str) -> list[int]:
+    """"0,32,64" -> [0, 32, 64]; every item an int >= 0, no repeats kept."""
+    out = []
+    for item in _items(text):
+        value = _int_at_least(item, 0)
+        if value is None:
+            raise argparse.ArgumentTypeError(f"expected ints >= 0 (e.g. 0,32,64), got {item!r} in {text!r}")
+        if value not in out:
+            out.append(value)
+    return out
+
+
 def positive_int(text: str) -> int:
     value = _int_at_least(text, 1)
     if value is None:

@@ -13,6 +13,14 @@ With a key transform (key_transform.py), keys are stored as (k - shift) * gain
 and attention multiplies q by gain_inv = 1 / gain.  `nonfinite[b]` counts the
 K/V vectors of sequence b stored with a NaN or infinity (NaN scales, see
 codec.quantize); quantize-append adds to it on the device.
+
+Exact recent window (`exact_recent` = R > 0): besides its codes, every token
+is kept in full precision (`exact_dtype`, the model's domain: before any key
+transform) in `recent_k`, `recent_v` [B, Hkv, R + 1, D] while it is one of
+the R newest of its sequence: position p lives in row p mod R; row R is a
+scratch row that masked writes go to (appends are scatters without a host
+sync).  Attention reads positions [seen - R, seen) from these rows and only
+older positions from the codes (`recent_positions`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ class CacheLayout:
     # [B, Hkv] int32, zero between launches: the CUDA kernel's fused-merge arrival counters.  Owned by the
     # cache, so that they are allocated before any CUDA graph is captured (None: the kernel keeps its own).
     merge_counters: torch.Tensor | None = None
+    # The exact recent window (module docstring): [B, Hkv, R + 1, D] in the exact dtype, or None with R = 0.
+    recent_k: torch.Tensor | None = None
+    recent_v: torch.Tensor | None = None
+    exact_recent: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -79,6 +91,17 @@ def slot_positions(layout: CacheLayout) -> torch.Tensor:
     else:
         pos = slot.expand(layout.batch_size, -1)
     valid = (pos >= 0) & (pos < seen) & (pos >= layout.starts.to(torch.int64)[:, None])
+    return torch.where(valid, pos, torch.full_like(pos, -1))
+
+
+def recent_positions(layout: CacheLayout) -> torch.Tensor:
+    """Absolute position held by each row of the exact window [B, R] (int64): row r holds the p in
+    [seen - R, seen) with p = r (mod R); -1 where p < 0 or p is padding (p < starts)."""
+    r_len = layout.exact_recent
+    row = torch.arange(r_len, device=layout.device)[None, :]
+    seen = layout.seen.to(torch.int64)[:, None]
+    pos = seen - r_len + torch.remainder(row - seen, r_len)
+    valid = (pos >= 0) & (pos >= layout.starts.to(torch.int64)[:, None])
     return torch.where(valid, pos, torch.full_like(pos, -1))
 
 

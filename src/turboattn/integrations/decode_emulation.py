@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..format.layout import recent_positions
 from ..ops.flash.naive import attention_reference
 from .hf import TurboQuantLayer
 
@@ -24,6 +25,12 @@ class DecodeEmulationLayer(TurboQuantLayer):
     cached_attention), the chunk is attached twice, through a codec round
     trip and in full precision, and a mask lets query i see the round-trip
     keys of earlier chunk tokens and only its own full-precision one.
+
+    With an exact recent window of R tokens, a decode step at position p reads
+    positions [p - R, p) exactly and older ones through their codes; here the
+    past window (recent_k / recent_v) and the chunk cast to the window's dtype
+    join the keys, and the mask picks, per query, the exact copy of the R
+    positions before it and the coded copy of the older ones.
     """
 
     @classmethod
@@ -42,14 +49,26 @@ class DecodeEmulationLayer(TurboQuantLayer):
         k_hat, v_hat = (x.float() for x in cache.round_trip(k, v))  # the chunk as the cache will hold it
         q_pos = cache.seen.to(torch.int64)[:, None] + torch.arange(t, device=dev)[None]
         b = q.shape[0]
-        earlier = torch.ones(t, t, dtype=torch.bool, device=dev).tril(-1)   # chunk keys before the query
+        r_len = cache.exact_recent
+        earlier = torch.ones(t, t, dtype=torch.bool, device=dev).tril(-1 - r_len)   # coded chunk keys
         own = torch.eye(t, dtype=torch.bool, device=dev)                    # the query's own fresh K/V
-        keep = torch.cat([torch.ones(b, t, past_pos.shape[1], dtype=torch.bool, device=dev),
-                          earlier.expand(b, t, t), own.expand(b, t, t)], dim=2)[:, None]
-        out = attention_reference(q, torch.cat([k_past, k_hat, k.float()], 2),
-                                  torch.cat([v_past, v_hat, v.float()], 2),
-                                  causal=True, sliding_window=self.sliding_window, mask=keep, scale=scale,
-                                  softcap=softcap, sinks=sinks, q_positions=q_pos,
-                                  k_positions=torch.cat([past_pos, q_pos, q_pos], 1))
+        keys, values = [k_past, k_hat, k.float()], [v_past, v_hat, v.float()]
+        positions = [past_pos, q_pos, q_pos]
+        masks = [torch.ones(b, t, past_pos.shape[1], dtype=torch.bool, device=dev), earlier.expand(b, t, t),
+                 own.expand(b, t, t)]
+        if r_len:
+            # Coded past keys only below p - R; the window's exact rows and the chunk's exact copies
+            # (in the window's dtype, as append stores them) for positions [p - R, p).
+            masks[0] = past_pos[:, None, :] < q_pos[:, :, None] - r_len
+            ring_pos = recent_positions(cache.layout)
+            in_window = torch.ones(t, t, dtype=torch.bool, device=dev).tril(-1) & ~earlier
+            keys += [cache.recent_k[:, :, :r_len].float(), k.to(cache.exact_dtype).float()]
+            values += [cache.recent_v[:, :, :r_len].float(), v.to(cache.exact_dtype).float()]
+            positions += [ring_pos, q_pos]
+            masks += [ring_pos[:, None, :] >= q_pos[:, :, None] - r_len, in_window.expand(b, t, t)]
+        out = attention_reference(q, torch.cat(keys, 2), torch.cat(values, 2),
+                                  causal=True, sliding_window=self.sliding_window, mask=torch.cat(masks, 2)[:, None],
+                                  scale=scale, softcap=softcap, sinks=sinks, q_positions=q_pos,
+                                  k_positions=torch.cat(positions, 1))
         self.store(k, v)
         return out

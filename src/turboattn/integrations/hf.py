@@ -41,6 +41,13 @@ layer holds a `QuantizedKVCache(static=True)` of N slots, allocated once
 so a decode step reads nothing on the host and compiles once
 (`is_compileable`: transformers' `generate(compile_config=...)` compiles it).
 Prefill runs eagerly, as in transformers' own static caches.
+
+Exact recent window (`exact_recent=R`): every layer's QuantizedKVCache also
+keeps its R newest tokens in the model's dtype (the config's; when it names
+none, the dtype of the K/V the layer is first given; bfloat16 for any other
+dtype) and attention reads them exactly (cache/dynamic.py).  A sliding
+layer's window W bounds what it can see: its R is clamped to W - 1 (every past
+token its window shows is then exact).
 """
 
 from __future__ import annotations
@@ -84,7 +91,8 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __init__(self, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  sliding_window: int | None = None, quantize_current: bool = False,
-                 max_cache_len: int | None = None, fit_keys: str = KEY_FIT_DEFAULT):
+                 max_cache_len: int | None = None, fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0,
+                 exact_dtype: torch.dtype | None = None):
         super().__init__()
         self.k_bits, self.v_bits, self.scale_rule = k_bits, v_bits, scale_rule
         self.fit_keys = fit_keys
@@ -92,6 +100,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.quantize_current = quantize_current
         self.max_cache_len = max_cache_len
+        # A sliding layer sees at most W - 1 past tokens: a longer exact window would hold nothing more.
+        self.exact_recent = exact_recent if sliding_window is None else min(exact_recent, sliding_window - 1)
+        self.exact_dtype = exact_dtype   # None: the dtype of the first K/V (the model's)
         self.is_compileable = max_cache_len is not None   # static: nothing in a step depends on host lengths
         self.cache: QuantizedKVCache | None = None
 
@@ -106,7 +117,9 @@ class TurboQuantLayer(CacheLayerMixin):
         if not self.is_sliding:
             capacity = self.max_cache_len or max(_INITIAL_CAPACITY, t)
         self.cache = QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=self.sliding_window,
-                                      device=key_states.device, static=self.is_compileable)
+                                      device=key_states.device, static=self.is_compileable,
+                                      exact_recent=self.exact_recent,
+                                      exact_dtype=self.exact_dtype or _exact_dtype(key_states.dtype))
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -253,6 +266,27 @@ class TurboQuantLayer(CacheLayerMixin):
             raise ValueError("padding after the first chunk is not supported by TurboQuantCache")
 
 
+_EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _exact_dtype(dtype) -> torch.dtype:
+    """The exact window's dtype for a model of this dtype: itself when the window can hold it, else bfloat16."""
+    return dtype if dtype in _EXACT_DTYPES else torch.bfloat16
+
+
+def _model_dtype(config) -> torch.dtype | None:
+    """The model's dtype as its config names it (a torch.dtype or its name), for the exact window; None when the
+    config names none (a config built by hand): the layers then take the dtype of their first K/V."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for cfg in (text, config):
+        dtype = getattr(cfg, "dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return _exact_dtype(dtype)
+    return None
+
+
 def _layer_types(config) -> list[tuple[str, int | None]]:
     """(kind, sliding_window) per decoder layer, from a transformers config."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -283,12 +317,16 @@ class TurboQuantCache(Cache):
     Reuse one static cache with `reset()`: the compiled step stays valid.
     `fit_keys` picks the key transform fitted to the prompt (key_transform.py): "balance" (shift
     and channel gain), "center" (shift only) or "off" (keys stored as they come).
+    `exact_recent=R` keeps each layer's R newest tokens in full precision (the model's dtype) beside their
+    codes and reads them exactly (QuantizedKVCache; a sliding layer clamps R to its window - 1).
     """
 
     def __init__(self, config, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  quantize_current: bool = False, max_cache_len: int | None = None,
-                 fit_keys: str = KEY_FIT_DEFAULT):
+                 fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0):
         check_coding_options(k_bits, v_bits, scale_rule)
+        if not isinstance(exact_recent, int) or isinstance(exact_recent, bool) or exact_recent < 0:
+            raise ValueError(f"exact_recent must be a non-negative int (0: off), got {exact_recent!r}")
         if fit_keys not in KEY_FITS:
             raise ValueError(f"fit_keys must be one of {KEY_FITS}, got {fit_keys!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
@@ -303,10 +341,13 @@ class TurboQuantCache(Cache):
         if impl is not None and impl != ATTN_NAME:
             raise ValueError(f"TurboQuantCache needs the model loaded with attn_implementation={ATTN_NAME!r}, "
                              f"this config uses {impl!r}")
-        layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len, fit_keys)
+        exact_dtype = _model_dtype(config)
+        layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len, fit_keys,
+                                  exact_recent, exact_dtype)
                   for _, window in _layer_types(config)]
         super().__init__(layers=layers)
         self.k_bits, self.v_bits, self.scale_rule = k_bits, v_bits, scale_rule
+        self.exact_recent = exact_recent
 
     def crop(self, max_length: int) -> None:
         """TurboQuantLayer.crop on every layer, or on none: a ring that cannot drop as much raises first."""
@@ -317,7 +358,7 @@ class TurboQuantCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for codes and scales over all layers."""
+        """Bytes allocated over all layers (codes and scales, key transforms, exact windows)."""
         return sum(layer.nbytes for layer in self.layers)
 
     @property
@@ -335,8 +376,21 @@ class TurboQuantCache(Cache):
             if c is not None:
                 held = min(c.max_seen, c.capacity)
                 total += c.batch_size * c.num_kv_heads * held * c.codec.bytes_per_token()
-                total += c.key_transform_nbytes
+                total += c.key_transform_nbytes + c.exact_recent_nbytes
         return total
+
+    def bits_per_element(self) -> float:
+        """Bits per stored K/V element at the lengths held now: codes, scales and the exact windows (scratch
+        rows included) over all layers, per element of the held tokens (key transforms excluded, as in
+        KVCodec.bits_per_element)."""
+        bits = elements = 0
+        for layer in self.layers:
+            c = layer.cache
+            if c is not None:
+                held = c.batch_size * c.num_kv_heads * min(c.max_seen, c.capacity)
+                bits += 8 * (held * c.codec.bytes_per_token() + c.exact_recent_nbytes)
+                elements += 2 * held * c.codec.head_dim
+        return bits / elements if elements else float("nan")
 
 
 def turboattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

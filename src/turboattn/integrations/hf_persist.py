@@ -6,7 +6,7 @@
 
 Layer i's cache is stored under the key prefix "layers.<i>." in cache/persist.py's format; the
 header adds `kind`, `file_version`, `num_layers`, the constructor's options (k_bits, v_bits,
-scale_rule, fit_keys, quantize_current, max_cache_len) and, per layer, its sliding window, the
+scale_rule, fit_keys, quantize_current, max_cache_len, exact_recent: "0" when absent) and, per layer, its sliding window, the
 dtype of the K/V it was given, or "empty" for a layer that holds nothing yet.  Loading rebuilds
 the cache from the model config (as the constructor does) and checks that its layers match the file.
 """
@@ -35,6 +35,8 @@ def save_turboquant_cache(cache: TurboQuantCache, path: str | os.PathLike) -> No
             "k_bits": str(cache.k_bits), "v_bits": str(cache.v_bits), "scale_rule": cache.scale_rule,
             "fit_keys": first.fit_keys, "quantize_current": str(int(first.quantize_current)),
             "max_cache_len": str(first.max_cache_len or "none")}
+    if cache.exact_recent:
+        meta["exact_recent"] = str(cache.exact_recent)
     tensors = {}
     for i, layer in enumerate(cache.layers):
         prefix = f"layers.{i}."
@@ -62,7 +64,8 @@ def load_turboquant_cache(path: str | os.PathLike, config, device=None) -> Turbo
     max_len = meta["max_cache_len"]
     cache = TurboQuantCache(config, int(meta["k_bits"]), int(meta["v_bits"]), meta["scale_rule"],
                             quantize_current=meta["quantize_current"] == "1",
-                            max_cache_len=None if max_len == "none" else int(max_len), fit_keys=meta["fit_keys"])
+                            max_cache_len=None if max_len == "none" else int(max_len), fit_keys=meta["fit_keys"],
+                            exact_recent=int(meta.get("exact_recent", "0")))
     if len(cache.layers) != int(meta["num_layers"]):
         raise ValueError(f"{source}: holds {meta['num_layers']} layers, the model config has {len(cache.layers)}")
     for i, layer in enumerate(cache.layers):

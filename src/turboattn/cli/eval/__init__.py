@@ -26,6 +26,12 @@ CPU the exact PyTorch reference), only the cache differs:
     `turboquant` package, one token per step, with residual 1 (every earlier
     token quantized, the current one full precision: like "decode" mode) and
     with their default residual of 128 full-precision recent tokens.
+  - `--exact-recent R,...` adds every turboattn method with an exact window of
+    the R newest tokens (TurboQuantCache(exact_recent=R); names end in -rR);
+    their bits per element count the window's bytes at the measured length
+    (prefill + scored tokens: TurboQuantCache.bits_per_element).  Strict mode
+    with a window is stepped token by token (a chunk would share one window
+    boundary among its queries).
 
 The package: methods.py (presets and cache configurations), peers.py (other
 quantizers), scoring.py (the metrics), passkey.py, report.py (tables, plot,
@@ -42,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from ..args import (CLIError, add_overwrite, choices, fresh_path, parse_bits, positive_int, positive_ints,
-                    refuse_overwrite)
+from ..args import (CLIError, add_overwrite, choices, fresh_path, non_negative_ints, parse_bits, positive_int,
+                    positive_ints, refuse_overwrite)
 from ..corpus import CORPUS_INFO, corpus_text
 from .methods import (FIT_SUFFIX, MAIN_PRESETS, MIXED_CANDIDATES, PEERS, RULES, Method, bits_per_element,
                       parse_preset, reference_method, turbo_method)
@@ -100,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-defaults", type=choices(*PEERS, extra=("all",)), default=[], metavar="LIST",
                         help="peers to run also with their default 128 full-precision recent tokens, token by token "
                              "(default: none)")
+    parser.add_argument("--exact-recent", type=non_negative_ints, default=[0], metavar="LIST",
+                        help="comma list of exact recent windows R (0: none); each R > 0 adds the turboattn methods "
+                             "with the R newest tokens kept exact, named ...-rR")
     parser.add_argument("--exact-decode", action="store_true",
                         help="step decode mode token by token instead of the (tested-equal) chunked emulation")
     parser.add_argument("--segments", type=positive_int, default=2, metavar="N", help="corpus windows")
@@ -193,8 +202,8 @@ def run_eval(args) -> int:
     if longest > text_cfg.max_position_embeddings:
         raise CLIError(f"{args.model} takes at most {text_cfg.max_position_embeddings} positions; --prefill + "
                        f"--scored + 1 and --passkey-lengths must fit (got {longest})")
-    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f)
-               for p in presets for r in rules for m in modes for f in fits]
+    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f, exact_recent=w)
+               for p in presets for r in rules for m in modes for f in fits for w in args.exact_recent]
     skipped = {}
     for peer in dict.fromkeys(peers + peer_defaults):
         why = check_peer(peer)
@@ -241,7 +250,9 @@ def run_eval(args) -> int:
             row = compare(ref, got) | m.info | {"family": m.family, "seconds": got["seconds"],
                                                  "cache_bytes": got["cache_bytes"]}
             if m.family == "turboattn":
-                row["bits_per_element"] = bits_per_element(m.info["preset"], head_dim)
+                # With an exact window the cache's own count at the measured length (the window is a fixed cost).
+                row["bits_per_element"] = (got["bits_per_element"] if m.info["exact_recent"]
+                                           else bits_per_element(m.info["preset"], head_dim))
             results[m.name] = row
             progress.advance(task)
             if not console.is_terminal:  # logs: one line per method

@@ -43,22 +43,32 @@ def reference_method() -> Method:
     return Method("reference", "reference", lambda m: DynamicCache(config=m.config), step=256)
 
 
+def method_name(preset: str, rule: str, mode: str, fit_keys: str, exact_recent: int = 0) -> str:
+    """A turboattn method's name: preset-rule-mode, the key fit's suffix, and -r{R} with an exact window."""
+    return f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys] + (f"-r{exact_recent}" if exact_recent else "")
+
+
 def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_decode: bool = False,
-                 fit_keys: str | None = None) -> Method:
+                 fit_keys: str | None = None, exact_recent: int = 0) -> Method:
     """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
     (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
-    fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys]."""
+    fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys].
+    exact_recent=R > 0 keeps the R newest tokens exact (TurboQuantCache(exact_recent=R)); the name ends in -r{R}.
+    Strict mode with a window is stepped token by token: in a chunk every query would read the window of the
+    chunk's last token (one boundary per call), which one-token steps do not."""
     from ...hf import KEY_FIT_DEFAULT, TurboQuantCache
     fit_keys = fit_keys or KEY_FIT_DEFAULT
     kb, vb = parse_preset(preset)
     strict = mode == "strict"
 
     def make(model):
-        cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys)
+        cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys,
+                                exact_recent=exact_recent)
         if not strict and not exact_decode:
             from ...integrations.decode_emulation import DecodeEmulationLayer
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
         return cache
-    name = f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys]
-    return Method(name, "turboattn", make, step=1 if exact_decode else chunk,
-                  info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys))
+    name = method_name(preset, rule, mode, fit_keys, exact_recent)
+    stepped = exact_decode or (strict and exact_recent > 0)
+    return Method(name, "turboattn", make, step=1 if stepped else chunk,
+                  info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys, exact_recent=exact_recent))

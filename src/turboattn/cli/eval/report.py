@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .methods import FIT_SUFFIX, RULES, bits_per_element
+from .methods import FIT_SUFFIX, RULES, bits_per_element, method_name
 
 
 def print_table(report: dict, console) -> None:
@@ -49,7 +49,8 @@ def plot(report: dict, path: Path) -> None:
         if r.get("family") == "turboattn":
             fit = {True: "balance", False: "off"}.get(r.get("fit_keys", "balance"), r.get("fit_keys"))
             fit = "" if fit == "balance" else f" key fit {fit}"
-            groups.setdefault(f"turboattn {r['mode']} {r['rule']}{fit}", []).append(r)
+            window = f" exact {r['exact_recent']}" if r.get("exact_recent") else ""
+            groups.setdefault(f"turboattn {r['mode']} {r['rule']}{fit}{window}", []).append(r)
     for label, rows in sorted(groups.items()):
         rows.sort(key=lambda r: r["bits_per_element"])
         x = [r["bits_per_element"] for r in rows]
@@ -81,16 +82,19 @@ def markdown_tables(report: dict) -> str:
         lo, hi = r["ppl_change_ci95_pct"]
         return f"{r['ppl_change_pct']:+.2f}% [{lo:+.1f}, {hi:+.1f}]"
     presets = dict.fromkeys(r["preset"] for r in res.values() if r.get("family") == "turboattn")
-    for p in presets:
-        for rule in RULES:
-            for fit, suffix in FIT_SUFFIX.items():
-                d, s = res.get(f"{p}-{rule}-decode{suffix}"), res.get(f"{p}-{rule}-strict{suffix}")
-                if d is None and s is None:
-                    continue
-                any_row = d or s
-                lines.append(f"| {p} | {bits_per_element(p, hd):.3f} | {rule} | {fit} | "
-                             f"{pct(d) if d else ''} | {pct(s) if s else ''} | {any_row['argmax_disagree_pct']:.1f}% | "
-                             f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")
+    windows = sorted({r.get("exact_recent", 0) for r in res.values() if r.get("family") == "turboattn"})
+    for p, rule, fit, w in ((p, rule, f, w) for p in presets for rule in RULES for f in FIT_SUFFIX for w in windows):
+        d = res.get(method_name(p, rule, "decode", fit, w))
+        s = res.get(method_name(p, rule, "strict", fit, w))
+        if d is None and s is None:
+            continue
+        any_row = d or s
+        # A window's bytes count in its row's own bits (measured); the codec's otherwise.
+        bits = any_row["bits_per_element"] if w else bits_per_element(p, hd)
+        label = f"{p} + {w} exact" if w else p
+        lines.append(f"| {label} | {bits:.3f} | {rule} | {fit} | "
+                     f"{pct(d) if d else ''} | {pct(s) if s else ''} | {any_row['argmax_disagree_pct']:.1f}% | "
+                     f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")
     peers = {k: r for k, r in res.items() if r.get("family") not in (None, "turboattn")}
     if peers:
         lines += ["", "| peer | bits | residual | ppl change | argmax diff | attn cos mean / p1 |", "|---|---|---|---|---|---|"]

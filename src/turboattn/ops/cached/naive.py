@@ -8,6 +8,10 @@ Non-finite values: a key whose K or V vector is not finite (a NaN-scaled slot,
 or a fresh k/v row holding a NaN or infinity) makes the output row of every
 query that sees it NaN, and changes nothing for the queries that do not (a
 hidden key's value never meets a zero weight: 0 * NaN would leak).
+
+Exact recent window (layout.exact_recent = R > 0): the slots of positions
+>= seen - R are replaced by the exact rows of recent_k / recent_v (positions
+from layout.recent_positions), so those positions are read in full precision.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...format.codec import KVCodec
-from ...format.layout import CacheLayout, dequantize_slots, slot_positions
+from ...format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..flash.naive import attention_reference, visibility
 
 
@@ -30,6 +34,13 @@ def cached_attention_naive(q: torch.Tensor, layout: CacheLayout, codec: KVCodec,
     k_pos = slot_positions(layout)
     seen = layout.seen.to(torch.int64)[:, None]
     offsets = torch.arange(tq, device=q.device)[None]
+    if layout.exact_recent:
+        # Positions [seen - R, seen) come from the exact window instead of their codes.
+        r_len = layout.exact_recent
+        k_pos = torch.where(k_pos >= seen - r_len, torch.full_like(k_pos, -1), k_pos)
+        k_all = torch.cat([k_all, layout.recent_k[:, :, :r_len].to(compute_dtype)], dim=2)
+        v_all = torch.cat([v_all, layout.recent_v[:, :, :r_len].to(compute_dtype)], dim=2)
+        k_pos = torch.cat([k_pos, recent_positions(layout)], dim=1)
     if k is not None:
         fresh_pos = seen + offsets
         fresh_pos = torch.where(fresh_pos >= layout.starts.to(torch.int64)[:, None], fresh_pos, -1)

@@ -15,6 +15,12 @@ score and a zero V scale, a fresh k/v row holding a NaN or infinity gets a
 NaN score and a zero value row; the position masks then turn the NaN into
 -inf for every query that does not see the key, and into a NaN output row for
 every query that does.
+
+Exact recent window (layout.exact_recent = R > 0): the split programs skip
+positions >= seen - R, and the extra program (split index num_splits, which
+also serves fresh k/v) first attends the window's rows (positions
+seen - R .. seen - 1, in the model's domain like fresh k/v), then the fresh
+tokens, through one helper (`_attend_exact`).
 """
 
 from __future__ import annotations
@@ -147,17 +153,48 @@ def _finish_scores(s, SOFTCAP: tl.constexpr, softcap):
 
 
 @triton.jit
+def _attend_exact(k_rows, v_rows, valid, pos, qpos, start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi,
+                  signs_ptr, had_ptr, key_sub_ptr, key_mul_ptr, softcap, D: tl.constexpr, PRE_ROTATED: tl.constexpr,
+                  KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    """One tile of full-precision keys (fresh k/v or the exact window) at row pointers k_rows, v_rows
+    [BLOCK_N] and positions pos: rotated (and key-transformed) here unless PRE_ROTATED, then an online
+    softmax step.  A key is seen by query row i when valid, pos >= start, pos <= qpos[i] and, with a
+    window, qpos[i] - pos < window."""
+    k_lo, k_hi = _rotate_halves(k_rows, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
+                                key_sub_ptr, key_mul_ptr, KEY_XFORM, KEY_SHIFT)
+    v_lo, v_hi = _rotate_halves(v_rows, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
+                                key_sub_ptr, key_mul_ptr, False, False)
+    # A non-finite k or v row: NaN score (for the queries that see it), zero value row (for the rest).
+    bad = _nonfinite_rows(k_lo, k_hi) | _nonfinite_rows(v_lo, v_hi)
+    v_lo = tl.where(bad[:, None], 0.0, v_lo)
+    v_hi = tl.where(bad[:, None], 0.0, v_hi)
+    s = tl.dot(q_lo, tl.trans(k_lo))
+    s = tl.dot(q_hi, tl.trans(k_hi), acc=s)
+    s = tl.where(bad[None, :], float("nan"), _finish_scores(s, SOFTCAP, softcap))
+    keep = valid[None, :] & (pos[None, :] >= start) & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
+    if HAS_WINDOW:
+        keep = keep & (qpos[:, None] - pos[None, :] < window)
+    s = tl.where(keep, s, float("-inf"))
+    p, m, alpha, l = online_softmax(s, m, l, True)
+    pv = p.to(tl.float16)
+    acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
+    acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])
+    return m, l, acc_lo, acc_hi
+
+
+@triton.jit
 def _cached_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_codes, k_scales, v_codes, v_scales, k_cb, v_cb,
     kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr,
-    key_shift_ptr, key_gain_ptr, key_gain_inv_ptr,
+    key_shift_ptr, key_gain_ptr, key_gain_inv_ptr, rk_ptr, rv_ptr, sr_b, sr_h, sr_t, exact_recent,
     q_scale, softcap, Tq, N, window, num_kv_heads, num_splits, num_parts,
     D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr, HAS_FRESH: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, K_LUT: tl.constexpr, V_LUT: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, PRE_ROTATED: tl.constexpr,
-    KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr,
+    KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, EXACT: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = 2 if D == 512 else 1
@@ -194,6 +231,8 @@ def _cached_attention_kernel(
         hi = tl.minimum(lo + chunk, held)
         if not RING:
             hi = tl.minimum(hi, qpos_max + 1)
+            if EXACT:
+                hi = tl.minimum(hi, seen - exact_recent)   # the window's positions are read exactly
         cache_row0 = (b * num_kv_heads + kvh).to(tl.int64) * N
         for n0 in range(lo, hi, BLOCK_N):
             slot = n0 + offs_n
@@ -225,6 +264,8 @@ def _cached_attention_kernel(
             keep = valid[None, :] & (pos[None, :] >= start) & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
             if HAS_WINDOW:
                 keep = keep & (qpos[:, None] - pos[None, :] < window)
+            if EXACT and RING:
+                keep = keep & (pos[None, :] < seen - exact_recent)
             s = tl.where(keep, s, float("-inf"))
             p, m, alpha, l = online_softmax(s, m, l, True)
             v_lo, v_hi = _centroid_halves(v_codes, rows, valid, v_cb, D, V_BITS, V_W0, V_W1, V_LUT, V_VEC)
@@ -236,32 +277,29 @@ def _cached_attention_kernel(
                 acc_lo = tl.dot((p * vs0[None, :]).to(tl.float16), v_lo, acc=acc_lo * alpha[:, None])
                 acc_hi = tl.dot((p * vs1[None, :]).to(tl.float16), v_hi, acc=acc_hi * alpha[:, None])
     else:
-        # Fresh full-precision keys (rotated on the host) at positions seen + j, causal among themselves.
-        t_max = tl.minimum((tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
-        fresh_base = b * sf_b + kvh * sf_h
-        for n0 in range(0, t_max + 1, BLOCK_N):
-            j = n0 + offs_n
-            valid = j <= t_max
-            k_lo, k_hi = _rotate_halves(kf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
-                                        key_shift_ptr + xf, key_gain_ptr + xf, KEY_XFORM, KEY_SHIFT)
-            v_lo, v_hi = _rotate_halves(vf_ptr + fresh_base + j * sf_t, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
-                                        key_shift_ptr, key_gain_ptr, False, False)
-            # A non-finite k or v row: NaN score (for the queries that see it), zero value row (for the rest).
-            bad = _nonfinite_rows(k_lo, k_hi) | _nonfinite_rows(v_lo, v_hi)
-            v_lo = tl.where(bad[:, None], 0.0, v_lo)
-            v_hi = tl.where(bad[:, None], 0.0, v_hi)
-            s = tl.dot(q_lo, tl.trans(k_lo))
-            s = tl.dot(q_hi, tl.trans(k_hi), acc=s)
-            s = tl.where(bad[None, :], float("nan"), _finish_scores(s, SOFTCAP, softcap))
-            pos = seen + j
-            keep = valid[None, :] & (pos[None, :] >= start) & (j[None, :] <= t[:, None]) & row_ok[:, None]
-            if HAS_WINDOW:
-                keep = keep & (qpos[:, None] - pos[None, :] < window)
-            s = tl.where(keep, s, float("-inf"))
-            p, m, alpha, l = online_softmax(s, m, l, True)
-            pv = p.to(tl.float16)
-            acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
-            acc_hi = tl.dot(pv, v_hi, acc=acc_hi * alpha[:, None])
+        if EXACT:
+            # The exact window: row r holds the position p in [seen - R, seen) with p = r (mod R).
+            ring_base = b * sr_b + kvh * sr_h
+            phase = seen % exact_recent
+            for n0 in range(0, exact_recent, BLOCK_N):
+                r = n0 + offs_n
+                pos = seen - exact_recent + (r - phase + exact_recent) % exact_recent
+                valid = (r < exact_recent) & (pos >= 0)
+                m, l, acc_lo, acc_hi = _attend_exact(
+                    rk_ptr + ring_base + r * sr_t, rv_ptr + ring_base + r * sr_t, valid, pos, qpos, start, row_ok,
+                    window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr, key_shift_ptr + xf,
+                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW)
+        if HAS_FRESH:
+            # Fresh full-precision keys at positions seen + j, causal among themselves.
+            t_max = tl.minimum((tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
+            fresh_base = b * sf_b + kvh * sf_h
+            for n0 in range(0, t_max + 1, BLOCK_N):
+                j = n0 + offs_n
+                m, l, acc_lo, acc_hi = _attend_exact(
+                    kf_ptr + fresh_base + j * sf_t, vf_ptr + fresh_base + j * sf_t, j <= t_max, seen + j, qpos,
+                    start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr,
+                    key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP,
+                    HAS_WINDOW)
 
     out_lo, lse = finish_split(acc_lo, m, l)
     out_hi, lse = finish_split(acc_hi, m, l)
@@ -330,7 +368,9 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     group = hq // hkv
     dev = q.device
     has_fresh = k is not None
-    parts = plan.num_splits + int(has_fresh)
+    exact = layout.exact_recent > 0
+    rk, rv = layout.recent_k, layout.recent_v
+    parts = plan.num_splits + int(has_fresh or exact)
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
@@ -339,11 +379,15 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         if key_xform:  # the host rotates, so it applies the key transform too
             q = to_stored_queries(q.to(torch.float32), layout.key_gain)
             k = None if k is None else to_stored_keys(k, layout.key_shift, layout.key_gain)
+            rk = None if rk is None else to_stored_keys(rk, layout.key_shift, layout.key_gain)
             key_xform = False
         q = (rotate(q.to(torch.float32)) * q_scale).to(torch.float16)
         if has_fresh:
             k = rotate(k.to(torch.float32)).to(torch.float16)
             v = rotate(v.to(torch.float32)).to(torch.float16)
+        if exact:  # the exact window like fresh k/v
+            rk = rotate(rk.to(torch.float32)).to(torch.float16)
+            rv = rotate(rv.to(torch.float32)).to(torch.float16)
     if q.stride(3) != 1:
         q = q.contiguous()
     if has_fresh:
@@ -351,6 +395,10 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         k = k.contiguous()
         v = v.contiguous()
     kf, vf = (k, v) if has_fresh else (q, q)  # unused without fresh tokens
+    if exact:
+        rk, rv = rk.contiguous(), rv.contiguous()   # one set of strides for both
+    else:
+        rk = rv = q   # unused without an exact window
 
     rows = tq * group
     row_blocks = triton.cdiv(rows, plan.block_m)
@@ -366,6 +414,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
         device_signs(d, dev), hadamard_tile(d // 2, dev),
         *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
+        rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), layout.exact_recent,
         float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits,
         parts,
         D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
@@ -373,7 +422,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, RING=layout.is_ring, HAS_FRESH=has_fresh,
         HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
         K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
-        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted,
+        PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted, EXACT=exact,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
@@ -404,7 +453,7 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
     hkv = layout.num_kv_heads
     if plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv), layout.capacity)
-    parts = plan.num_splits + int(k is not None)
+    parts = plan.num_splits + int(k is not None or layout.exact_recent > 0)
     o_part, lse_part = part_buffers(q, hkv, parts)
     launch_parts(q, layout, codec, k, v, query_scale(d, scale, softcap), softcap, plan, o_part, lse_part)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
