@@ -115,8 +115,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
     impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
-    if impl == "cuda" and cache.exact_recent:
-        impl = "triton"   # the CUDA fast path has no exact recent window (ops/cached/cuda.py)
+    if impl == "cuda" and (cache.exact_recent or cache.codec.scale_dtype != torch.float32):
+        impl = "triton"   # the CUDA fast path has no exact recent window and reads float32 scales (ops/cached/cuda.py)
     if plan is not None:
         plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
     elif cache.is_static:

@@ -113,8 +113,8 @@ class QuantizedKVCache:
         # comparisons with the inputs' devices succeed.
         self.device = self.k_codes.device
         self.v_codes = torch.zeros(*shape, codec.code_bytes("v"), dtype=torch.uint8, device=self.device)
-        self.k_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
-        self.v_scales = torch.zeros(*shape, nb, dtype=torch.float32, device=self.device)
+        self.k_scales = torch.zeros(*shape, nb, dtype=codec.scale_dtype, device=self.device)
+        self.v_scales = torch.zeros(*shape, nb, dtype=codec.scale_dtype, device=self.device)
         self.seen = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self.starts = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         # Vectors stored with a NaN or infinity, per sequence: counted by the quantize kernel, so that

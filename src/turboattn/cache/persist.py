@@ -12,6 +12,8 @@ A cache with an exact recent window (exact_recent = R > 0) adds `recent_k`, `rec
 [B, Hkv, R + 1, D] in its exact dtype and the metadata `exact_recent`, `exact_dtype`; such a file has
 file_version 2, so that a reader without the window refuses it rather than silently dropping it.  A
 cache without one is written exactly as before (file_version 1), and files of either version load.
+Scales in bfloat16 (KVCodec(scale_dtype=torch.bfloat16)) are stored as such, with the metadata
+`scale_dtype`; a reader that knows only float32 scales refuses them by dtype.
 
 Loading checks the kind and both versions, then every tensor's dtype and shape against the header,
 and raises ValueError naming what differs.  `cache_state` / `cache_from_state` take a key prefix, so
@@ -27,13 +29,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..format.codec import FORMAT_VERSION, KVCodec
+from ..format.codec import FORMAT_VERSION, SCALE_DTYPES, KVCodec
 from .dynamic import QuantizedKVCache
 
 KIND = "turboattn.QuantizedKVCache"
 FILE_VERSION = 2          # the version a cache with an exact recent window is written with
 FILE_VERSIONS = (1, 2)    # what loads: 1 is a file without a window (what caches without one still write)
 _EXACT_DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32)}
+_SCALE_DTYPES = {str(t): t for t in SCALE_DTYPES}
 _SLOTS = ("k_codes", "k_scales", "v_codes", "v_scales")
 _PER_SEQUENCE = ("seen", "starts", "nonfinite")
 _KEY_TRANSFORM = ("key_shift", "key_gain", "key_gain_inv")
@@ -58,6 +61,8 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
             else cache.sliding_window, "static": cache.is_static}
     if cache.exact_recent:
         meta.update(exact_recent=cache.exact_recent, exact_dtype=str(cache.exact_dtype))
+    if codec.scale_dtype != torch.float32:   # float32 files stay as before; older readers refuse these by dtype
+        meta.update(scale_dtype=str(codec.scale_dtype))
     # safetensors wants contiguous tensors that share no storage; the file is written from the host.
     return ({prefix + k: t.detach().contiguous().cpu() for k, t in tensors.items()},
             {prefix + k: str(v) for k, v in meta.items()})
@@ -86,8 +91,13 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
         if integer(name) not in accepted:
             raise ValueError(f"{source}: {name} {integer(name)} differs from this turboattn's {accepted[-1]}; "
                              "the file was written by another version and cannot be read")
+    scale_dtype = meta.get(prefix + "scale_dtype", "torch.float32")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"{source}: metadata {prefix + 'scale_dtype'!r} must be one of {sorted(_SCALE_DTYPES)}, "
+                         f"got {scale_dtype!r}")
     try:
-        codec = KVCodec(integer("head_dim"), integer("k_bits"), integer("v_bits"), header("scale_rule"))
+        codec = KVCodec(integer("head_dim"), integer("k_bits"), integer("v_bits"), header("scale_rule"),
+                        _SCALE_DTYPES[scale_dtype])
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     window = None if header("sliding_window") == "none" else integer("sliding_window")
@@ -125,8 +135,8 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     if cache.capacity != capacity:
         raise ValueError(f"{source}: capacity {capacity} differs from sliding_window={window}")
     nb = codec.num_blocks
-    for name, dtype, last in (("k_codes", torch.uint8, codec.code_bytes("k")), ("k_scales", torch.float32, nb),
-                              ("v_codes", torch.uint8, codec.code_bytes("v")), ("v_scales", torch.float32, nb)):
+    for name, dtype, last in (("k_codes", torch.uint8, codec.code_bytes("k")), ("k_scales", codec.scale_dtype, nb),
+                              ("v_codes", torch.uint8, codec.code_bytes("v")), ("v_scales", codec.scale_dtype, nb)):
         getattr(cache, name)[:, :, :held] = tensor(name, dtype, (b, hkv, held, last)).to(device)
     present = [prefix + name in tensors for name in _KEY_TRANSFORM]
     if any(present) and not all(present):

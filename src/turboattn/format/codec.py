@@ -26,6 +26,9 @@ FORMAT_VERSION = 1
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SCALE_RULES = ("rms", "corrected", "lsq")
+# How scales are stored: float32, or bfloat16 (float32's range, 8 significant bits: a relative rounding of at
+# most 2^-8, far below a 2-8-bit code's error; QUALITY.md measured no perplexity change) at half the bytes.
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
 NORM_BLOCK = 256
 # KVCodec.quantize codes these (float64 too: the reference format, exact tests); the cache and the attention
 # entry points take ATTENTION_DTYPES, the kernels' dtypes, and check them with check_attention_dtype.
@@ -66,7 +69,7 @@ def code_spec(head_dim: int, bits: int) -> CodeSpec:
 
 @dataclass(frozen=True, eq=False)  # tensors have no single truth value
 class Packed:
-    """Compressed vectors: codes [..., D*bits/8] uint8 and scales [..., D/block] float32."""
+    """Compressed vectors: codes [..., D*bits/8] uint8 and scales [..., D/block] (float32, or the codec's scale_dtype)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -153,14 +156,17 @@ def unpack_codes(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     return idx
 
 
-def check_coding_options(k_bits, v_bits, scale_rule) -> None:
-    """ValueError unless the bit widths and scale rule are ones the format has (head_dim aside)."""
+def check_coding_options(k_bits, v_bits, scale_rule, scale_dtype=torch.float32) -> None:
+    """ValueError unless the bit widths, scale rule and scale dtype are ones the format has (head_dim aside)."""
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         # `4.0 in SUPPORTED_BITS` is True, and a float width breaks every size computation.
         if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
             raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if scale_dtype not in SCALE_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in SCALE_DTYPES)
+        raise ValueError(f"scale_dtype must be one of {allowed}, got {scale_dtype!r}")
 
 
 def check_attention_dtype(name: str, t: torch.Tensor) -> None:
@@ -178,10 +184,11 @@ class KVCodec:
     k_bits: int = 4
     v_bits: int = 4
     scale_rule: str = "corrected"
+    scale_dtype: torch.dtype = torch.float32    # how scales are stored (SCALE_DTYPES)
 
     def __post_init__(self):
         rotation.check_head_dim(self.head_dim)
-        check_coding_options(self.k_bits, self.v_bits, self.scale_rule)
+        check_coding_options(self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype)
 
     # -- format geometry -------------------------------------------------
     @property
@@ -206,8 +213,8 @@ class KVCodec:
         return self.head_dim * self.bits(kind) // 8
 
     def bytes_per_token(self) -> int:
-        """K+V bytes (codes and float32 scales) for one token of one KV head."""
-        scale_bytes = 4 * self.num_blocks
+        """K+V bytes (codes and scales) for one token of one KV head."""
+        scale_bytes = self.scale_dtype.itemsize * self.num_blocks
         return self.code_bytes("k") + self.code_bytes("v") + 2 * scale_bytes
 
     def bits_per_element(self) -> float:
@@ -264,7 +271,7 @@ class KVCodec:
 
     # -- public coding ----------------------------------------------------
     def quantize(self, x: torch.Tensor, kind: Kind = "k") -> Packed:
-        """x [..., D] float -> Packed(codes [..., D*bits/8] uint8, scales [..., nb] float32).
+        """x [..., D] float -> Packed(codes [..., D*bits/8] uint8, scales [..., nb] in scale_dtype).
 
         Any finite x is coded at its own scale (see times_pow2).  A vector holding a NaN or an
         infinity is stored as codes 0 and NaN scales, so it decodes to NaN: never to a finite value.
@@ -281,6 +288,8 @@ class KVCodec:
         idx, scales = self.quantize_rotated(rotation.rotate(x), kind)
         idx = torch.where(finite[..., None], idx, torch.zeros_like(idx))
         scales = torch.where(finite[..., None], times_pow2(scales, e), torch.full_like(scales, float("nan")))
+        if self.scale_dtype != torch.float32:
+            scales = scales.to(self.scale_dtype)   # rounded to nearest, as the kernels store them
         return Packed(pack_codes(idx, self.bits(kind)), scales)
 
     def unpack(self, packed: Packed, kind: Kind) -> torch.Tensor:

@@ -6,7 +6,7 @@
 
 Layer i's cache is stored under the key prefix "layers.<i>." in cache/persist.py's format; the
 header adds `kind`, `file_version`, `num_layers`, the constructor's options (k_bits, v_bits,
-scale_rule, fit_keys, quantize_current, max_cache_len, exact_recent: "0" when absent) and, per layer, its sliding window, the
+scale_rule, fit_keys, quantize_current, max_cache_len, exact_recent: "0" when absent, scale_dtype: float32 when absent) and, per layer, its sliding window, the
 dtype of the K/V it was given, or "empty" for a layer that holds nothing yet.  Loading rebuilds
 the cache from the model config (as the constructor does) and checks that its layers match the file.
 """
@@ -19,11 +19,18 @@ import torch
 from safetensors.torch import save_file
 
 from ..cache.persist import cache_from_state, cache_state, read_file
+from ..format.codec import SCALE_DTYPES
 from .hf import TurboQuantCache
 
 KIND = "turboattn.TurboQuantCache"
 FILE_VERSION = 1
 _DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32)}
+
+
+def _scale_dtype(name: str, source: str) -> torch.dtype:
+    if name not in _DTYPES or _DTYPES[name] not in SCALE_DTYPES:
+        raise ValueError(f"{source}: scale_dtype {name!r} is not one of {[str(t) for t in SCALE_DTYPES]}")
+    return _DTYPES[name]
 
 
 def save_turboquant_cache(cache: TurboQuantCache, path: str | os.PathLike) -> None:
@@ -37,6 +44,8 @@ def save_turboquant_cache(cache: TurboQuantCache, path: str | os.PathLike) -> No
             "max_cache_len": str(first.max_cache_len or "none")}
     if cache.exact_recent:
         meta["exact_recent"] = str(cache.exact_recent)
+    if cache.scale_dtype != torch.float32:
+        meta["scale_dtype"] = str(cache.scale_dtype)
     tensors = {}
     for i, layer in enumerate(cache.layers):
         prefix = f"layers.{i}."
@@ -65,7 +74,8 @@ def load_turboquant_cache(path: str | os.PathLike, config, device=None) -> Turbo
     cache = TurboQuantCache(config, int(meta["k_bits"]), int(meta["v_bits"]), meta["scale_rule"],
                             quantize_current=meta["quantize_current"] == "1",
                             max_cache_len=None if max_len == "none" else int(max_len), fit_keys=meta["fit_keys"],
-                            exact_recent=int(meta.get("exact_recent", "0")))
+                            exact_recent=int(meta.get("exact_recent", "0")),
+                            scale_dtype=_scale_dtype(meta.get("scale_dtype", "torch.float32"), source))
     if len(cache.layers) != int(meta["num_layers"]):
         raise ValueError(f"{source}: holds {meta['num_layers']} layers, the model config has {len(cache.layers)}")
     for i, layer in enumerate(cache.layers):

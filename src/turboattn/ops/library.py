@@ -22,8 +22,10 @@ from .cached.config import DecodePlan, plan_decode
 
 
 @lru_cache(maxsize=None)
-def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected") -> KVCodec:
-    return KVCodec(head_dim, k_bits, v_bits, scale_rule)
+def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected",
+           scale_dtype: torch.dtype = torch.float32) -> KVCodec:
+    # The scale dtype is the scale tensors' own: the ops take no separate argument for it.
+    return KVCodec(head_dim, k_bits, v_bits, scale_rule, scale_dtype)
 
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
@@ -41,7 +43,7 @@ def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_
     nonfinite [B] int32 counts the vectors stored with a NaN or infinity."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      nonfinite=nonfinite)
-    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule)
+    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, k_scales.dtype)
     backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
 
 
@@ -70,7 +72,7 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      key_gain_inv, key_shifted, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
                      exact_recent=exact_recent)
-    codec = _codec(q.shape[-1], k_bits, v_bits)
+    codec = _codec(q.shape[-1], k_bits, v_bits, scale_dtype=k_scales.dtype)
     if len(plan) > 1:
         decode_plan = DecodePlan.from_list(plan)
     else:

@@ -3,8 +3,8 @@
 One launch covers the cache splits and their merge: the last CTA of each sequence x KV head attends the
 fresh k/v tokens (when given) in full precision, merges them with the splits, adds the sinks, rotates back
 and casts.  Calls the kernel does not serve (other bit widths or head dims, more than 8 query
-rows per KV head, GPUs before sm_80, a cache with an exact recent window: not implemented here) go to the
-Triton path.  The extension is built with nvcc on first use
+rows per KV head, GPUs before sm_80, a cache with an exact recent window or bfloat16 scales: not implemented
+here) go to the Triton path.  The extension is built with nvcc on first use
 (torch.utils.cpp_extension).
 """
 
@@ -57,7 +57,8 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int, exact_recent: i
     """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels).  A cache with an exact
     recent window (exact_recent > 0) is not served: the kernel does not read the window."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return q.is_cuda and not exact_recent and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device)
+    return (q.is_cuda and not exact_recent and codec.scale_dtype == torch.float32
+            and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device))
 
 
 @lru_cache(maxsize=None)

@@ -246,17 +246,18 @@ def _cached_attention_kernel(
             # A NaN V scale (non-finite value) moves to the K scale: the score carries it to the
             # queries that see the key, and p = 0 of the others never meets it.
             if NB == 1:
-                vs = tl.load(v_scales + rows, mask=valid, other=0.0)
-                ks = tl.where(vs == vs, tl.load(k_scales + rows, mask=valid, other=0.0), float("nan"))
+                vs = tl.load(v_scales + rows, mask=valid, other=0.0).to(tl.float32)
+                ks = tl.where(vs == vs, tl.load(k_scales + rows, mask=valid, other=0.0).to(tl.float32), float("nan"))
                 vs = tl.where(vs == vs, vs, 0.0)
                 s = tl.dot(q_lo, tl.trans(k_lo))
                 s = tl.dot(q_hi, tl.trans(k_hi), acc=s) * ks[None, :]
             else:
-                vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0)
-                vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0)
-                ks0 = tl.where((vs0 == vs0) & (vs1 == vs1), tl.load(k_scales + rows * 2, mask=valid, other=0.0),
+                vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0).to(tl.float32)
+                vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                ks0 = tl.where((vs0 == vs0) & (vs1 == vs1),
+                               tl.load(k_scales + rows * 2, mask=valid, other=0.0).to(tl.float32),
                                float("nan"))
-                ks1 = tl.load(k_scales + rows * 2 + 1, mask=valid, other=0.0)
+                ks1 = tl.load(k_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
                 vs0 = tl.where(vs0 == vs0, vs0, 0.0)
                 vs1 = tl.where(vs1 == vs1, vs1, 0.0)
                 s = tl.dot(q_lo, tl.trans(k_lo)) * ks0[None, :] + tl.dot(q_hi, tl.trans(k_hi)) * ks1[None, :]

@@ -138,11 +138,26 @@ def _store_planes(idx0, idx1, row_ptr, mask, R: tl.constexpr, D: tl.constexpr, N
 
 
 @triton.jit
+def _store_scale(ptr, s, bad, valid, BF16: tl.constexpr):
+    """Store scales s (float32; NaN where bad).  BF16: ptr is the bfloat16 scales' int16 view, and s is rounded
+    to nearest-even in integer arithmetic (float32 bits + 0x7FFF + the kept lsb, top 16 bits), so the GPU and
+    the interpreter (whose float casts truncate) store the same value as torch's .to(torch.bfloat16)."""
+    s = tl.where(bad, float("nan"), s)
+    if BF16:
+        bits = s.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(s == s, rounded, 0x7FC0)   # a NaN stays a (quiet) NaN
+        tl.store(ptr, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+    else:
+        tl.store(ptr, s, mask=valid)
+
+
+@triton.jit
 def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                  codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, sub_ptr, mul_ptr,
                  count_ptr, D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                  RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr,
-                 AFFINE: tl.constexpr, COUNT: tl.constexpr):
+                 AFFINE: tl.constexpr, COUNT: tl.constexpr, BF16_SCALES: tl.constexpr):
     NB: tl.constexpr = 2 if D == 512 else 1
     BLK: tl.constexpr = D // NB
     CB: tl.constexpr = D * BITS // 8
@@ -180,9 +195,9 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     row = (b * num_kv_heads + h).to(tl.int64) * N + slot
     _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC)
     norm = 1.0 / tl.sqrt(D * 1.0)  # hadamard_rows is unnormalized
-    tl.store(scales_ptr + row * NB, tl.where(bad, float("nan"), _times_pow2(s0 * norm, e)), mask=valid)
+    _store_scale(scales_ptr + row * NB, _times_pow2(s0 * norm, e), bad, valid, BF16_SCALES)
     if NB == 2:
-        tl.store(scales_ptr + row * NB + 1, tl.where(bad, float("nan"), _times_pow2(s1 * norm, e)), mask=valid)
+        _store_scale(scales_ptr + row * NB + 1, _times_pow2(s1 * norm, e), bad, valid, BF16_SCALES)
     if COUNT:
         n_bad = tl.sum((bad & valid).to(tl.int32), axis=0)
         tl.atomic_add(count_ptr + b, n_bad, mask=n_bad > 0)
@@ -198,6 +213,7 @@ def _quantize_append_kernel(
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr, COUNT: tl.constexpr,
+    BF16_SCALES: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BLOCK_T
     bh = tl.program_id(1)
@@ -213,11 +229,11 @@ def _quantize_append_kernel(
     if tl.program_id(2) == 0:
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-                     count_ptr, D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM, COUNT)
+                     count_ptr, D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM, COUNT, BF16_SCALES)
     else:
         _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-                     count_ptr, D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False, COUNT)
+                     count_ptr, D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False, COUNT, BF16_SCALES)
 
 
 @lru_cache(maxsize=None)
@@ -253,9 +269,11 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     v_cb, v_bounds, v_grid = cell_tables(codec.v_bits, dev)
     plan = plan_quantize(d, t)
     grid = (triton.cdiv(t, plan.block_t), b * hkv, 2)
+    bf16_scales = layout.k_scales.dtype == torch.bfloat16
+    k_scales, v_scales = ((x.view(torch.int16) if bf16_scales else x) for x in (layout.k_scales, layout.v_scales))
     _quantize_append_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
+        layout.k_codes, k_scales, layout.v_codes, v_scales,
         k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
         *(layout.key_shift, layout.key_gain) if key_xform else (k_cb, k_cb),
         layout.seen, new_lengths if new_lengths is not None else layout.seen,
@@ -264,5 +282,5 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
         V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
         RULE=codec.scale_rule_id, BLOCK_T=plan.block_t, RING=layout.is_ring,
         HAS_LENGTHS=new_lengths is not None, K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
-        KEY_XFORM=key_xform, COUNT=layout.nonfinite is not None, num_warps=plan.num_warps,
+        KEY_XFORM=key_xform, COUNT=layout.nonfinite is not None, BF16_SCALES=bf16_scales, num_warps=plan.num_warps,
     )

@@ -1,0 +1,127 @@
+"""Scales stored in bfloat16 (KVCodec(scale_dtype=torch.bfloat16)): half the scale bytes, the same codes.
+
+bfloat16 keeps float32's exponent range and rounds to 8 significant bits: a scale rounded to nearest is off by at
+most 2^-8 relative (the unit roundoff), and a block decodes to its float32-scale value times (1 + that), so every bound below follows
+from that one rounding.  The Triton quantize kernel rounds in integer arithmetic (ops/quantize/triton.py), so it
+must store the very bits torch's .to(torch.bfloat16) gives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import turboattn as ta
+from turboattn.cache.persist import load_cache, save_cache
+from turboattn.ops.cached.naive import cached_attention_naive
+
+BF16 = torch.bfloat16
+BF16_ROUNDING = 2.0**-8            # unit roundoff of 8 significant bits, round to nearest
+FP16_TOL = 4 * 2.0**-11            # the cached-attention kernel's float16 dot operands (test_kernels_cached.py)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kv(gen, b, hkv, t, d):
+    k = torch.randn(b, hkv, t, d, generator=gen) * 3
+    return k, torch.randn(b, hkv, t, d, generator=gen)
+
+
+@pytest.mark.parametrize("d", [64, 128, 512, 80])
+def test_bf16_scales_cost_half_and_round_once(d, gen):
+    f32, bf16 = ta.KVCodec(d, 4, 3), ta.KVCodec(d, 4, 3, scale_dtype=BF16)
+    assert f32.bytes_per_token() - bf16.bytes_per_token() == 2 * 2 * f32.num_blocks
+    if d == 64:
+        assert ta.KVCodec(64, 4, 4, scale_dtype=BF16).bits_per_element() == 4.25
+    x = torch.randn(5, 7, d, generator=gen) * torch.logspace(-20, 20, 7)[:, None]   # far outside float16's range
+    for kind in ("k", "v"):
+        a, b = f32.quantize(x, kind), bf16.quantize(x, kind)
+        assert b.scales.dtype == BF16 and torch.equal(a.codes, b.codes)
+        assert torch.equal(b.scales, a.scales.to(BF16))
+        xa, xb = f32.dequantize(a, kind, torch.float64), bf16.dequantize(b, kind, torch.float64)
+        blocks = (-1, f32.num_blocks, f32.block_size)
+        rel = (xb - xa).reshape(blocks).norm(dim=-1) / xa.reshape(blocks).norm(dim=-1)
+        assert float(rel.max()) <= BF16_ROUNDING * (1 + 1e-6)
+
+
+def test_other_scale_dtypes_are_refused():
+    with pytest.raises(ValueError, match="scale_dtype must be one of float32, bfloat16"):
+        ta.KVCodec(64, 4, 4, scale_dtype=torch.float16)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("d, window", [(64, None), (128, 9), (512, None)])
+def test_triton_quantize_stores_torchs_bf16_bits(d, window, gen):
+    """Codes and bfloat16 scales bit for bit against the PyTorch twin, ragged lengths, a ring that wraps,
+    a NaN vector (NaN scales, counted), a zero vector (zero scale)."""
+    codec = ta.KVCodec(d, 4, 3, scale_dtype=BF16)
+    caches = [ta.QuantizedKVCache(codec, 2, 2, capacity=None if window else 40, sliding_window=window)
+              for _ in range(2)]
+    for t, lengths in ((13, [13, 5]), (11, None)):
+        k, v = _kv(gen, 2, 2, t, d)
+        k[0, 1, 2] = float("nan")
+        v[1, 0, 0] = 0.0
+        for cache, backend in zip(caches, ("torch", "triton")):
+            cache.append(k, v, new_lengths=lengths, backend=backend)
+    want, got = caches
+    for name in ("k_codes", "v_codes", "nonfinite", "seen"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    for name in ("k_scales", "v_scales"):   # the same bits, but for NaN's sign and payload
+        a, b = getattr(want, name), getattr(got, name)
+        nan = a.isnan()
+        assert b.dtype == BF16 and torch.equal(nan, b.isnan()), name
+        assert torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan]), name
+    # Two NaN vectors were appended; a 9-slot ring keeps only the last 9 of the first 13-token chunk.
+    assert int(got.nonfinite.sum()) == (1 if window else 2)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("d, group, tq, fresh", [(64, 3, 1, True), (128, 1, 3, False), (512, 4, 2, True)])
+def test_cached_attention_reads_bf16_scales(d, group, tq, fresh, gen):
+    codec = ta.KVCodec(d, 4, 4, scale_dtype=BF16)
+    cache = ta.QuantizedKVCache(codec, 2, 2, capacity=80)
+    cache.append(*_kv(gen, 2, 2, 70, d), new_lengths=[70, 33], backend="torch")
+    q = torch.randn(2, 2 * group, tq, d, generator=gen).half()
+    kf, vf = (x.half() for x in _kv(gen, 2, 2, tq, d)) if fresh else (None, None)
+    out = ta.cached_attention(q, cache, kf, vf, backend="triton")
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
+    assert float((out.double() - ref).norm() / ref.norm()) < FP16_TOL
+
+
+def test_bf16_scale_cache_reloads_bit_for_bit(gen, tmp_path):
+    cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 3, scale_dtype=BF16), 2, 2, capacity=30)
+    cache.append(*_kv(gen, 2, 2, 17, 64), backend="torch")
+    save_cache(cache, tmp_path / "c.safetensors")
+    back = load_cache(tmp_path / "c.safetensors")
+    assert back.codec == cache.codec and back.k_scales.dtype == BF16
+    for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen"):
+        assert torch.equal(getattr(back, name)[:, :, :17] if getattr(back, name).dim() > 1 else getattr(back, name),
+                           getattr(cache, name)[:, :, :17] if getattr(cache, name).dim() > 1 else getattr(cache, name))
+    q = torch.randn(2, 4, 1, 64, generator=gen)
+    assert torch.equal(ta.cached_attention(q, back, backend="torch"), ta.cached_attention(q, cache, backend="torch"))
+
+
+@torch.no_grad()
+def test_hf_cache_with_bf16_scales_saves_and_reloads(tmp_path):
+    """TurboQuantCache(scale_dtype=torch.bfloat16): every layer stores bfloat16 scales, counted in the bits per
+    element, and a saved cache reloads to the same next-token logits."""
+    pytest.importorskip("transformers")
+    from hf_models import random_ids, tiny_gemma3
+
+    from turboattn.hf import TurboQuantCache, load_turboquant_cache, save_turboquant_cache
+    model = tiny_gemma3()
+    ids = random_ids(20, seed=3)
+    caches = {dt: TurboQuantCache(model.config, 4, 4, scale_dtype=dt) for dt in (torch.float32, BF16)}
+    for cache in caches.values():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    cache = caches[BF16]
+    d = cache.layers[0].cache.codec.head_dim
+    assert all(layer.cache.k_scales.dtype == BF16 for layer in cache.layers)
+    assert caches[torch.float32].bits_per_element() - cache.bits_per_element() == pytest.approx(16 / d)
+    save_turboquant_cache(cache, tmp_path / "c.safetensors")
+    loaded = load_turboquant_cache(tmp_path / "c.safetensors", model.config)
+    assert loaded.scale_dtype == BF16
+    token = torch.tensor([[5]])
+    assert torch.equal(model(input_ids=token, past_key_values=loaded).logits,
+                       model(input_ids=token, past_key_values=cache).logits)
