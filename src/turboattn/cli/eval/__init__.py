@@ -32,6 +32,10 @@ CPU the exact PyTorch reference), only the cache differs:
     (prefill + scored tokens: TurboQuantCache.bits_per_element).  Strict mode
     with a window is stepped token by token (a chunk would share one window
     boundary among its queries).
+  - `--exact-first S,...` likewise with the first S tokens of each sequence
+    kept exact (TurboQuantCache(exact_first=S); names carry -sS, before -rR
+    when both lists are given: every combination runs); bits per element
+    counted from the cache at the measured length.
 
 The package: methods.py (presets and cache configurations), peers.py (other
 quantizers), scoring.py (the metrics), passkey.py, report.py (tables, plot,
@@ -109,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-recent", type=non_negative_ints, default=[0], metavar="LIST",
                         help="comma list of exact recent windows R (0: none); each R > 0 adds the turboattn methods "
                              "with the R newest tokens kept exact, named ...-rR")
+    parser.add_argument("--exact-first", type=non_negative_ints, default=[0], metavar="LIST",
+                        help="comma list of exact first-token counts S (0: none); each S > 0 adds the turboattn "
+                             "methods with the first S tokens of each sequence kept exact, named ...-sS")
     parser.add_argument("--exact-decode", action="store_true",
                         help="step decode mode token by token instead of the (tested-equal) chunked emulation")
     parser.add_argument("--segments", type=positive_int, default=2, metavar="N", help="corpus windows")
@@ -202,8 +209,9 @@ def run_eval(args) -> int:
     if longest > text_cfg.max_position_embeddings:
         raise CLIError(f"{args.model} takes at most {text_cfg.max_position_embeddings} positions; --prefill + "
                        f"--scored + 1 and --passkey-lengths must fit (got {longest})")
-    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f, exact_recent=w)
-               for p in presets for r in rules for m in modes for f in fits for w in args.exact_recent]
+    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f, exact_recent=w, exact_first=s)
+               for p in presets for r in rules for m in modes for f in fits for s in args.exact_first
+               for w in args.exact_recent]
     skipped = {}
     for peer in dict.fromkeys(peers + peer_defaults):
         why = check_peer(peer)
@@ -250,8 +258,8 @@ def run_eval(args) -> int:
             row = compare(ref, got) | m.info | {"family": m.family, "seconds": got["seconds"],
                                                  "cache_bytes": got["cache_bytes"]}
             if m.family == "turboattn":
-                # With an exact window the cache's own count at the measured length (the window is a fixed cost).
-                row["bits_per_element"] = (got["bits_per_element"] if m.info["exact_recent"]
+                # With exact buffers the cache's own count at the measured length (they are a fixed cost).
+                row["bits_per_element"] = (got["bits_per_element"] if m.info["exact_recent"] or m.info["exact_first"]
                                            else bits_per_element(m.info["preset"], head_dim))
             results[m.name] = row
             progress.advance(task)
