@@ -397,7 +397,8 @@ class QuantizedKVCache:
         """Before a crop to new_dev: rows whose position in the new window [new - R, new) was overwritten
         (it lies below old - R) take the decoded codes of that position; rows without a position are zeroed."""
         r_len = self.exact_recent
-        pos = recent_positions(replace(self.layout, seen=new_dev, starts=torch.zeros_like(self.starts)))  # [B, R]
+        pos = recent_positions(replace(self.layout, seen=new_dev, starts=torch.zeros_like(self.starts),
+                                         exact_first=0))  # [B, R]: every window row, first rows aside
         old_dev = torch.tensor(old, dtype=torch.int64, device=self.device)[:, None]
         lost = (pos >= 0) & (pos < old_dev - r_len)
         stored = lost & ((pos < self.capacity) | self.is_ring)                      # an overflowed position has no codes
