@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from turboattn import KVCodec, QuantizedKVCache  # noqa: E402
+from turboattn import hf  # noqa: E402,F401  (registers attn_implementation="turboattn" for this file alone)
 from turboattn.cli import eval as ev  # noqa: E402
 from turboattn.cli.corpus import CORPUS_INFO, corpus_text  # noqa: E402
 
@@ -44,29 +45,35 @@ def test_compare_metrics():
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
-@pytest.mark.parametrize("prefill", [12, 20], ids=["short-prompt", "fitted"])
-@pytest.mark.parametrize("exact_recent", [0, 5], ids=["codes", "exact-window"])
+@pytest.mark.parametrize("prefill", [3, 12, 20], ids=["tiny-prompt", "short-prompt", "fitted"])
+@pytest.mark.parametrize("exact_recent,exact_first", [(0, 0), (5, 0), (0, 4), (5, 4)],
+                         ids=["codes", "exact-window", "exact-first", "exact-both"])
 @torch.no_grad()
-def test_decode_emulation_equals_token_by_token(factory, prefill, exact_recent):
+def test_decode_emulation_equals_token_by_token(factory, prefill, exact_recent, exact_first):
     """The eval scores decode mode in chunks; that must equal real one-token decode steps
     (with and without a key transform: a 20-token prompt fits one; with an exact window of the 5 newest
-    tokens: the query at p reads [p - 5, p) exactly)."""
+    tokens: the query at p reads [p - 5, p) exactly; with the first 4 tokens exact, alone and beside the window:
+    a 3-token prompt puts a first-token position inside the first decode chunk)."""
+    if prefill == 3 and not exact_first:
+        pytest.skip("the tiny prompt is for the first-token rows")
     model = factory()
     ids = random_ids(40)
     exact = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode", exact_decode=True,
-                                                              exact_recent=exact_recent).make_cache(model),
+                                                              exact_recent=exact_recent,
+                                                              exact_first=exact_first).make_cache(model),
                                   prefill, step=1)
     chunked = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode",
-                                                                exact_recent=exact_recent).make_cache(model),
+                                                                exact_recent=exact_recent,
+                                                                exact_first=exact_first).make_cache(model),
                                     prefill, step=14)
     torch.testing.assert_close(chunked, exact, atol=1e-4, rtol=0)
     strict = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "strict").make_cache(model),
                                    prefill, step=14)
     assert (strict - exact).abs().max() > 1e-2  # the modes differ, so the check above has teeth
-    if exact_recent:
+    if exact_recent or exact_first:
         plain = teacher_forced_logits(model, ids, ev.turbo_method("k4v3", "corrected", "decode").make_cache(model),
                                       prefill, step=14)
-        assert (plain - exact).abs().max() > 1e-2   # the window matters: the check above reads it
+        assert (plain - exact).abs().max() > 1e-2   # the exact rows matter: the check above reads them
 
 
 def test_corpus_is_the_jargon_file():

@@ -20,9 +20,9 @@ from turboattn.ops.cached.config import DecodePlan, plan_decode
 IMPLS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
 
 
-def _cache(gen, window=None, exact_recent=0):
+def _cache(gen, window=None, exact_recent=0, exact_first=0):
     cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 3), 2, 2, capacity=None if window else 40, sliding_window=window,
-                                exact_recent=exact_recent)
+                                exact_recent=exact_recent, exact_first=exact_first)
     cache.append(torch.randn(2, 2, 21, 64, generator=gen), torch.randn(2, 2, 21, 64, generator=gen),
                  backend="torch")
     return cache
@@ -33,15 +33,19 @@ def _cached_args(cache, q, k, v, impl):
     plan = plan_decode(q.device, 64, 4, 3, 4, q.shape[2] * 2, 21, num_splits=2)
     return (q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
             None, None, None, False, None, layout.sliding_window, 4, 3, None, None, plan.to_list(),
-            layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent, impl)
+            layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k,
+            layout.first_v, layout.exact_first, impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [None, 16])
-@pytest.mark.parametrize("exact_recent", [0, 5], ids=["codes", "exact-window"])
-def test_opcheck_cached_attention(impl, window, exact_recent, gen):
-    """The exact window's buffers are read, not written: opcheck fails on an undeclared mutation."""
-    cache = _cache(gen, window, exact_recent)
+@pytest.mark.parametrize("exact_recent,exact_first", [(0, 0), (5, 0), (0, 4), (5, 4)],
+                         ids=["codes", "exact-window", "exact-first", "exact-both"])
+def test_opcheck_cached_attention(impl, window, exact_recent, exact_first, gen):
+    """The exact buffers are read, not written: opcheck fails on an undeclared mutation."""
+    if exact_first and window:
+        pytest.skip("exact first tokens need a contiguous cache")
+    cache = _cache(gen, window, exact_recent, exact_first)
     q = torch.randn(2, 4, 2, 64, generator=gen).half()
     k, v = (torch.randn(2, 2, 2, 64, generator=gen).half() for _ in range(2))
     torch.library.opcheck(torch.ops.turboattn.cached_attention.default, _cached_args(cache, q, k, v, impl))

@@ -66,6 +66,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
 
     A cache with an exact recent window (exact_recent=R) is read exactly at positions [seen - R, seen)
     (seen as before the call, for every query of the chunk) and through its codes below that.
+    A cache with exact first tokens (exact_first=S) is read exactly at positions [starts, starts + S)
+    (those stored), and through its codes between them and the window; a position in both is read once.
 
     With a ring cache and no fresh k, v, the early queries of a Tq > 1 chunk
     cannot see keys the chunk itself overwrote; for prefill, pass the chunk as
@@ -115,8 +117,9 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
     impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
-    if impl == "cuda" and (cache.exact_recent or cache.codec.scale_dtype != torch.float32):
-        impl = "triton"   # the CUDA fast path has no exact recent window and reads float32 scales (ops/cached/cuda.py)
+    if impl == "cuda" and (cache.exact_recent or cache.exact_first or cache.codec.scale_dtype != torch.float32):
+        # the CUDA fast path has no exact window or first tokens and reads float32 scales (ops/cached/cuda.py)
+        impl = "triton"
     if plan is not None:
         plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
     elif cache.is_static:
@@ -132,7 +135,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
         layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
         cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan_list, layout.merge_counters,
-        layout.recent_k, layout.recent_v, layout.exact_recent, impl)
+        layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first,
+        impl)
 
 
 def _float(x):

@@ -32,6 +32,15 @@ small ring, `recent_k` / `recent_v` [B, Hkv, R + 1, D] (layout.py); attention re
 [seen - R, seen) from it and older ones from the codes.  An append writes its last min(T, R) real
 tokens with one scatter (positions from the device `seen`: no host sync).  A crop that drops tokens
 whose exact copies were overwritten refills those rows from the codes (crop's docstring).
+
+Exact first tokens (`exact_first=S`, default 0 = off; contiguous caches only, a ring raises ValueError:
+its first tokens leave the window): the first S real tokens of each sequence (positions starts[b] + j,
+j < S) are also kept in `first_k` / `first_v` [B, Hkv, S, D] (exact_dtype, row j), written by the append
+that brings them (one gather and one masked copy, positions from the device `seen`: no host sync), and
+attention reads them from there, never from their codes.  The first-token rows win over the recent window
+(which then reads only positions >= starts + S).  Left padding must be set while the cache is empty
+(set_left_padding raises otherwise): the rows are indexed from `starts`.  A crop below starts + S zeroes the
+rows it drops; they are invisible by the position rule (starts + j >= seen) until appended again.
 """
 
 from __future__ import annotations
@@ -71,7 +80,7 @@ def _host_ints(values) -> list[int] | None:
 class QuantizedKVCache:
     def __init__(self, codec: KVCodec, batch_size: int, num_kv_heads: int, capacity: int | None = None,
                  sliding_window: int | None = None, device=None, static: bool = False, exact_recent: int = 0,
-                 exact_dtype: torch.dtype = torch.bfloat16):
+                 exact_dtype: torch.dtype = torch.bfloat16, exact_first: int = 0):
         if not isinstance(codec, KVCodec):
             raise TypeError(f"codec must be a turboattn.KVCodec, got {type(codec).__name__}")
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
@@ -93,6 +102,11 @@ class QuantizedKVCache:
         if sliding_window is not None and exact_recent >= sliding_window:
             raise ValueError(f"exact_recent={exact_recent} must be smaller than sliding_window={sliding_window} "
                              "(a ring cache's window bounds what attention sees)")
+        if not _is_int(exact_first) or exact_first < 0:
+            raise ValueError(f"exact_first must be a non-negative int (0: off), got {exact_first!r}")
+        if sliding_window is not None and exact_first:
+            raise ValueError(f"exact_first={exact_first} needs a contiguous cache: a ring cache "
+                             f"(sliding_window={sliding_window}) loses its first tokens")
         if exact_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"exact_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {exact_dtype!r}")
         try:
@@ -129,6 +143,13 @@ class QuantizedKVCache:
             window_shape = (batch_size, num_kv_heads, exact_recent + 1, codec.head_dim)
             self.recent_k = torch.zeros(window_shape, dtype=exact_dtype, device=self.device)
             self.recent_v = torch.zeros(window_shape, dtype=exact_dtype, device=self.device)
+        # The exact first tokens: position starts[b] + j in row j.
+        self.exact_first = exact_first
+        self.first_k = self.first_v = None
+        if exact_first:
+            first_shape = (batch_size, num_kv_heads, exact_first, codec.head_dim)
+            self.first_k = torch.zeros(first_shape, dtype=exact_dtype, device=self.device)
+            self.first_v = torch.zeros(first_shape, dtype=exact_dtype, device=self.device)
         # The host copy of `seen` (growing mode only); a static cache keeps just whether anything was
         # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
         self._seen_host: list[int] | None = None if static else [0] * batch_size
@@ -148,7 +169,8 @@ class QuantizedKVCache:
         """The tensors as the ops take them (a view: writes through it land in this cache)."""
         return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
                            self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted,
-                           self.nonfinite, self.merge_counters, self.recent_k, self.recent_v, self.exact_recent)
+                           self.nonfinite, self.merge_counters, self.recent_k, self.recent_v, self.exact_recent,
+                           self.first_k, self.first_v, self.exact_first)
 
     @property
     def is_ring(self) -> bool:
@@ -194,7 +216,8 @@ class QuantizedKVCache:
         compiling (a compiled prefill allocates them): that marking is for the next compile."""
         if self.is_static and not torch.compiler.is_compiling():
             for t in tensors or (self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.seen, self.starts,
-                                 self.nonfinite, self.merge_counters, *self._recent_buffers):
+                                 self.nonfinite, self.merge_counters, *self._recent_buffers,
+                                 *self._first_buffers):
                 torch._dynamo.mark_static_address(t)
 
     @property
@@ -202,14 +225,23 @@ class QuantizedKVCache:
         return () if self.recent_k is None else (self.recent_k, self.recent_v)
 
     @property
+    def _first_buffers(self) -> tuple[torch.Tensor, ...]:
+        return () if self.first_k is None else (self.first_k, self.first_v)
+
+    @property
     def nbytes(self) -> int:
         codes = sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales))
-        return codes + self.key_transform_nbytes + self.exact_recent_nbytes
+        return codes + self.key_transform_nbytes + self.exact_recent_nbytes + self.exact_first_nbytes
 
     @property
     def exact_recent_nbytes(self) -> int:
         """Bytes of the exact recent window (recent_k, recent_v, scratch rows included), a fixed cost."""
         return sum(t.numel() * t.element_size() for t in self._recent_buffers)
+
+    @property
+    def exact_first_nbytes(self) -> int:
+        """Bytes of the exact first tokens (first_k, first_v), a fixed cost."""
+        return sum(t.numel() * t.element_size() for t in self._first_buffers)
 
     @property
     def key_transform_nbytes(self) -> int:
@@ -222,7 +254,8 @@ class QuantizedKVCache:
 
         Codes and scales are zeroed as well, so a reset cache equals a fresh one of its capacity.
         """
-        for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales, *self._recent_buffers):
+        for t in (self.k_codes, self.v_codes, self.k_scales, self.v_scales, *self._recent_buffers,
+                  *self._first_buffers):
             t.zero_()
         self.seen.zero_()
         self.starts.zero_()
@@ -278,10 +311,16 @@ class QuantizedKVCache:
         return k if self.key_gain is None else to_stored_keys(k, self.key_shift, self.key_gain)
 
     def set_left_padding(self, num_padding: Sequence[int] | torch.Tensor) -> None:
-        """Mark the first num_padding[b] positions of sequence b as padding (never attended)."""
+        """Mark the first num_padding[b] positions of sequence b as padding (never attended).
+
+        With exact first tokens (exact_first > 0) only while the cache is empty: their rows are indexed from
+        the padding (position starts + j in row j), so padding set after them would misplace them."""
         pad = _host_ints(num_padding)
         if pad is None or len(pad) != self.batch_size or min(pad) < 0:
             raise ValueError(f"num_padding must hold {self.batch_size} non-negative ints, got {num_padding!r}")
+        if self.exact_first and not self.is_empty:
+            raise ValueError("set_left_padding on a cache with exact_first needs an empty cache (reset() first): "
+                             "the exact first-token rows are indexed from the padding")
         self.starts.copy_(torch.tensor(pad, dtype=torch.int32, device=self.device))
 
     def slot_positions(self) -> torch.Tensor:
@@ -332,6 +371,12 @@ class QuantizedKVCache:
         new_dev = torch.tensor(new, dtype=torch.int32, device=self.device)
         if self.exact_recent:
             self._refill_recent(old, new_dev)
+        if self.exact_first:
+            # Rows of positions at or past the new length go (they are invisible by the position rule anyway).
+            gone = self.starts.to(torch.int64)[:, None] + torch.arange(self.exact_first, device=self.device)
+            gone = (gone >= new_dev.to(torch.int64)[:, None])[:, None, :, None]
+            for rows in self._first_buffers:
+                rows.masked_fill_(gone, 0)
         # Every slot's position, padding included (starts=0): the slots at or past the new length go.
         held = slot_positions(replace(self.layout, starts=torch.zeros_like(self.starts)))
         drop = (held >= new_dev[:, None].to(torch.int64))[:, None, :, None]
@@ -352,7 +397,8 @@ class QuantizedKVCache:
         """Before a crop to new_dev: rows whose position in the new window [new - R, new) was overwritten
         (it lies below old - R) take the decoded codes of that position; rows without a position are zeroed."""
         r_len = self.exact_recent
-        pos = recent_positions(replace(self.layout, seen=new_dev, starts=torch.zeros_like(self.starts)))  # [B, R]
+        pos = recent_positions(replace(self.layout, seen=new_dev, starts=torch.zeros_like(self.starts),
+                                         exact_first=0))  # [B, R]: every window row, first rows aside
         old_dev = torch.tensor(old, dtype=torch.int64, device=self.device)[:, None]
         lost = (pos >= 0) & (pos < old_dev - r_len)
         stored = lost & ((pos < self.capacity) | self.is_ring)                      # an overflowed position has no codes
@@ -391,7 +437,7 @@ class QuantizedKVCache:
         # A static cache keeps its storage (addresses included, for CUDA graphs) while B stays, as in beam search.
         in_place = self.is_static and len(idx) == self.batch_size
         for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite", "merge_counters",
-                     "key_shift", "key_gain", "key_gain_inv", "recent_k", "recent_v"):
+                     "key_shift", "key_gain", "key_gain_inv", "recent_k", "recent_v", "first_k", "first_v"):
             t = getattr(self, name)
             if t is not None:
                 picked = t.index_select(0, idx_dev)
@@ -495,6 +541,8 @@ class QuantizedKVCache:
             self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)
         if self.exact_recent:
             self._append_recent(k, v, new_lengths, n)
+        if self.exact_first:
+            self._append_first(k, v, new_lengths, n)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
         else:
@@ -531,6 +579,22 @@ class QuantizedKVCache:
         for ring, x in ((self.recent_k, k), (self.recent_v, v)):
             ring.scatter_(2, put, x.gather(2, take).to(self.exact_dtype))
 
+    def _append_first(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
+        """Copy the real tokens at positions starts + j (j < S) into first-token row j (before `seen` moves).
+
+        Row j takes token i = starts + j - seen of the chunk when 0 <= i < n[b] (a real token of this
+        append), else keeps what it holds: one gather and one masked copy per tensor, positions from the
+        device `seen` and `starts` (no sync).  All real tokens count, also those a static cache had no room
+        to code."""
+        t = k.shape[2]
+        j = torch.arange(self.exact_first, device=self.device)[None, :]
+        i = self.starts.to(torch.int64)[:, None] + j - self.seen.to(torch.int64)[:, None]     # [B, S]
+        count = t if new_lengths is None else torch.tensor(n, dtype=torch.int64, device=self.device)[:, None]
+        write = ((i >= 0) & (i < count))[:, None, :, None]
+        take = i.clamp(min=0, max=t - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
+        for rows, x in ((self.first_k, k), (self.first_v, v)):
+            rows.copy_(torch.where(write, x.gather(2, take).to(self.exact_dtype), rows))
+
     # -- persistence (persist.py: a safetensors file, no pickle) ----------------------
     def save(self, path) -> None:
         """Write this cache to a safetensors file; `QuantizedKVCache.load(path)` gives it back bit for bit."""
@@ -563,7 +627,11 @@ class QuantizedKVCache:
         kind = f"ring W={self.sliding_window}" if self.is_ring else f"capacity={self.capacity}"
         kind += ", static" if self.is_static else ""
         if self.exact_recent:
-            kind += f", exact_recent={self.exact_recent} ({str(self.exact_dtype).removeprefix('torch.')})"
+            kind += f", exact_recent={self.exact_recent}"
+        if self.exact_first:
+            kind += f", exact_first={self.exact_first}"
+        if self.exact_recent or self.exact_first:
+            kind += f" ({str(self.exact_dtype).removeprefix('torch.')})"
         return (f"QuantizedKVCache(B={self.batch_size}, Hkv={self.num_kv_heads}, {kind}, "
                 f"k{self.codec.k_bits}v{self.codec.v_bits}, D={self.codec.head_dim}, "
                 f"{'key transform, ' if self.key_gain is not None else ''}"

@@ -14,6 +14,9 @@ file_version 2, so that a reader without the window refuses it rather than silen
 cache without one is written exactly as before (file_version 1), and files of either version load.
 Scales in bfloat16 (KVCodec(scale_dtype=torch.bfloat16)) are stored as such, with the metadata
 `scale_dtype`; a reader that knows only float32 scales refuses them by dtype.
+A cache with exact first tokens (exact_first = S > 0) adds `first_k`, `first_v` [B, Hkv, S, D] in the
+exact dtype and the metadata `exact_first`, `exact_dtype`; such a file has file_version 3 (a reader
+that knows only the window refuses it); files of versions 1, 2 and 3 load.
 
 Loading checks the kind and both versions, then every tensor's dtype and shape against the header,
 and raises ValueError naming what differs.  `cache_state` / `cache_from_state` take a key prefix, so
@@ -34,7 +37,8 @@ from .dynamic import QuantizedKVCache
 
 KIND = "turboattn.QuantizedKVCache"
 FILE_VERSION = 2          # the version a cache with an exact recent window is written with
-FILE_VERSIONS = (1, 2)    # what loads: 1 is a file without a window (what caches without one still write)
+FIRST_FILE_VERSION = 3    # the version a cache with exact first tokens is written with (a window or not)
+FILE_VERSIONS = (1, 2, 3)  # what loads: 1 is a file without exact buffers (what caches without them still write)
 _EXACT_DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32)}
 _SCALE_DTYPES = {str(t): t for t in SCALE_DTYPES}
 _SLOTS = ("k_codes", "k_scales", "v_codes", "v_scales")
@@ -53,8 +57,11 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
         tensors.update({name: getattr(cache, name) for name in _KEY_TRANSFORM})
     if cache.exact_recent:
         tensors.update(recent_k=cache.recent_k, recent_v=cache.recent_v)
+    if cache.exact_first:
+        tensors.update(first_k=cache.first_k, first_v=cache.first_v)
     codec = cache.codec
-    meta = {"kind": KIND, "file_version": FILE_VERSION if cache.exact_recent else 1, "format_version": FORMAT_VERSION,
+    version = FIRST_FILE_VERSION if cache.exact_first else FILE_VERSION if cache.exact_recent else 1
+    meta = {"kind": KIND, "file_version": version, "format_version": FORMAT_VERSION,
             "head_dim": codec.head_dim, "k_bits": codec.k_bits, "v_bits": codec.v_bits,
             "scale_rule": codec.scale_rule, "batch_size": cache.batch_size, "num_kv_heads": cache.num_kv_heads,
             "capacity": cache.capacity, "sliding_window": "none" if cache.sliding_window is None
@@ -63,6 +70,8 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
         meta.update(exact_recent=cache.exact_recent, exact_dtype=str(cache.exact_dtype))
     if codec.scale_dtype != torch.float32:   # float32 files stay as before; older readers refuse these by dtype
         meta.update(scale_dtype=str(codec.scale_dtype))
+    if cache.exact_first:
+        meta.update(exact_first=cache.exact_first, exact_dtype=str(cache.exact_dtype))
     # safetensors wants contiguous tensors that share no storage; the file is written from the host.
     return ({prefix + k: t.detach().contiguous().cpu() for k, t in tensors.items()},
             {prefix + k: str(v) for k, v in meta.items()})
@@ -105,9 +114,12 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     if header("static") not in ("True", "False"):
         raise ValueError(f"{source}: metadata {prefix + 'static'!r} must be True or False, got {header('static')!r}")
     static = header("static") == "True"
-    exact_recent, exact_dtype = 0, torch.bfloat16
+    exact_recent, exact_first, exact_dtype = 0, 0, torch.bfloat16
     if prefix + "exact_recent" in meta:   # files without it (version 1) have no window
         exact_recent = integer("exact_recent")
+    if prefix + "exact_first" in meta:    # files without it (versions 1, 2) have no exact first tokens
+        exact_first = integer("exact_first")
+    if exact_recent or exact_first:
         if header("exact_dtype") not in _EXACT_DTYPES:
             raise ValueError(f"{source}: metadata {prefix + 'exact_dtype'!r} must be one of {list(_EXACT_DTYPES)}, "
                              f"got {header('exact_dtype')!r}")
@@ -129,7 +141,8 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     device = torch.device(device) if device is not None else seen.device
     try:
         cache = QuantizedKVCache(codec, b, hkv, capacity=None if window else capacity, sliding_window=window,
-                                 device=device, static=static, exact_recent=exact_recent, exact_dtype=exact_dtype)
+                                 device=device, static=static, exact_recent=exact_recent, exact_dtype=exact_dtype,
+                                 exact_first=exact_first)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     if cache.capacity != capacity:
@@ -148,6 +161,8 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
         cache.key_gain_inv.copy_(gain_inv)
     for name in ("recent_k", "recent_v") if exact_recent else ():
         getattr(cache, name).copy_(tensor(name, exact_dtype, (b, hkv, exact_recent + 1, codec.head_dim)))
+    for name in ("first_k", "first_v") if exact_first else ():
+        getattr(cache, name).copy_(tensor(name, exact_dtype, (b, hkv, exact_first, codec.head_dim)))
     for name in _PER_SEQUENCE:
         getattr(cache, name).copy_(tensor(name, torch.int32, (b,)))
     if static:

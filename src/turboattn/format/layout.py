@@ -21,6 +21,17 @@ the R newest of its sequence: position p lives in row p mod R; row R is a
 scratch row that masked writes go to (appends are scatters without a host
 sync).  Attention reads positions [seen - R, seen) from these rows and only
 older positions from the codes (`recent_positions`).
+
+Exact first tokens (`exact_first` = S > 0, contiguous caches only): the
+first S tokens of each sequence, positions starts[b] .. starts[b] + S - 1
+(after the left padding), are also kept in full precision (`exact_dtype`,
+the model's domain) in `first_k`, `first_v` [B, Hkv, S, D]: position
+starts[b] + j lives in row j, visible once stored (starts[b] + j < seen[b]).
+Attention reads those positions from these rows, never from their codes
+(`first_positions`).  Where they meet the recent window, the first-token rows
+win: the window reads only positions >= starts + S, so every position is
+attended exactly once.  The rows are tied to `starts`: left padding must be
+set before the first append (the cache enforces it).
 """
 
 from __future__ import annotations
@@ -54,6 +65,10 @@ class CacheLayout:
     recent_k: torch.Tensor | None = None
     recent_v: torch.Tensor | None = None
     exact_recent: int = 0
+    # The exact first tokens (module docstring): [B, Hkv, S, D] in the exact dtype, or None with S = 0.
+    first_k: torch.Tensor | None = None
+    first_v: torch.Tensor | None = None
+    exact_first: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -96,13 +111,22 @@ def slot_positions(layout: CacheLayout) -> torch.Tensor:
 
 def recent_positions(layout: CacheLayout) -> torch.Tensor:
     """Absolute position held by each row of the exact window [B, R] (int64): row r holds the p in
-    [seen - R, seen) with p = r (mod R); -1 where p < 0 or p is padding (p < starts)."""
+    [seen - R, seen) with p = r (mod R); -1 where p < 0, p is padding (p < starts) or p is one of the exact
+    first tokens (p < starts + exact_first: those rows win, so no position is read twice)."""
     r_len = layout.exact_recent
     row = torch.arange(r_len, device=layout.device)[None, :]
     seen = layout.seen.to(torch.int64)[:, None]
     pos = seen - r_len + torch.remainder(row - seen, r_len)
-    valid = (pos >= 0) & (pos >= layout.starts.to(torch.int64)[:, None])
+    valid = (pos >= 0) & (pos >= layout.starts.to(torch.int64)[:, None] + layout.exact_first)
     return torch.where(valid, pos, torch.full_like(pos, -1))
+
+
+def first_positions(layout: CacheLayout) -> torch.Tensor:
+    """Absolute position held by each row of the exact first tokens [B, S] (int64): row j holds
+    starts + j; -1 where that position is not stored yet (starts + j >= seen)."""
+    row = torch.arange(layout.exact_first, device=layout.device)[None, :]
+    pos = layout.starts.to(torch.int64)[:, None] + row
+    return torch.where(pos < layout.seen.to(torch.int64)[:, None], pos, torch.full_like(pos, -1))
 
 
 def dequantize_slots(layout: CacheLayout, codec: KVCodec,

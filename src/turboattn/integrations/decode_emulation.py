@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format.layout import recent_positions
+from ..format.layout import first_positions, recent_positions
 from ..ops.flash.naive import attention_reference
 from .hf import TurboQuantLayer
 
@@ -31,6 +31,11 @@ class DecodeEmulationLayer(TurboQuantLayer):
     past window (recent_k / recent_v) and the chunk cast to the window's dtype
     join the keys, and the mask picks, per query, the exact copy of the R
     positions before it and the coded copy of the older ones.
+
+    With exact first tokens (S), a decode step at p reads positions [starts, starts + S) below p exactly
+    and never through their codes or the window (the first rows win); here the stored first rows
+    (first_k / first_v) and the chunk's copies of first positions (in the exact dtype) join the keys,
+    and every coded or window key below starts + S is masked out.
     """
 
     @classmethod
@@ -66,6 +71,20 @@ class DecodeEmulationLayer(TurboQuantLayer):
             values += [cache.recent_v[:, :, :r_len].float(), v.to(cache.exact_dtype).float()]
             positions += [ring_pos, q_pos]
             masks += [ring_pos[:, None, :] >= q_pos[:, :, None] - r_len, in_window.expand(b, t, t)]
+        s_len = cache.exact_first
+        if s_len:
+            first_end = cache.starts.to(torch.int64)[:, None] + s_len                 # [B, 1]
+            masks[0] = masks[0] & (past_pos >= first_end)[:, None, :]
+            later = (q_pos >= first_end)[:, None, :]                                   # chunk keys past them
+            masks[1] = masks[1] & later
+            if r_len:
+                masks[4] = masks[4] & later
+            first_pos = first_positions(cache.layout)
+            keys += [cache.first_k.float(), k.to(cache.exact_dtype).float()]
+            values += [cache.first_v.float(), v.to(cache.exact_dtype).float()]
+            positions += [first_pos, q_pos]
+            before = torch.ones(t, t, dtype=torch.bool, device=dev).tril(-1)
+            masks += [(first_pos >= 0)[:, None, :].expand(b, t, s_len), before & ~later]
         out = attention_reference(q, torch.cat(keys, 2), torch.cat(values, 2),
                                   causal=True, sliding_window=self.sliding_window, mask=torch.cat(masks, 2)[:, None],
                                   scale=scale, softcap=softcap, sinks=sinks, q_positions=q_pos,

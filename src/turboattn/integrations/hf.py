@@ -48,6 +48,12 @@ none, the dtype of the K/V the layer is first given; bfloat16 for any other
 dtype) and attention reads them exactly (cache/dynamic.py).  A sliding
 layer's window W bounds what it can see: its R is clamped to W - 1 (every past
 token its window shows is then exact).
+
+Exact first tokens (`exact_first=S`): every full-attention layer's cache
+also keeps the first S real tokens of each sequence (after its left padding;
+the attention sink) in the same dtype and reads them exactly; sliding layers
+get none (S = 0: their rings lose the first tokens).  With both options, a
+position among the first S and in the window is read once (the first rows win).
 """
 
 from __future__ import annotations
@@ -92,7 +98,8 @@ class TurboQuantLayer(CacheLayerMixin):
     def __init__(self, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  sliding_window: int | None = None, quantize_current: bool = False,
                  max_cache_len: int | None = None, fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0,
-                 exact_dtype: torch.dtype | None = None, scale_dtype: torch.dtype = torch.float32):
+                 exact_dtype: torch.dtype | None = None, exact_first: int = 0,
+                 scale_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype = k_bits, v_bits, scale_rule, scale_dtype
         self.fit_keys = fit_keys
@@ -103,6 +110,8 @@ class TurboQuantLayer(CacheLayerMixin):
         # A sliding layer sees at most W - 1 past tokens: a longer exact window would hold nothing more.
         self.exact_recent = exact_recent if sliding_window is None else min(exact_recent, sliding_window - 1)
         self.exact_dtype = exact_dtype   # None: the dtype of the first K/V (the model's)
+        # A ring (sliding layer) loses its first tokens: exact first tokens only on full-attention layers.
+        self.exact_first = exact_first if sliding_window is None else 0
         self.is_compileable = max_cache_len is not None   # static: nothing in a step depends on host lengths
         self.cache: QuantizedKVCache | None = None
 
@@ -118,7 +127,7 @@ class TurboQuantLayer(CacheLayerMixin):
             capacity = self.max_cache_len or max(_INITIAL_CAPACITY, t)
         self.cache = QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=self.sliding_window,
                                       device=key_states.device, static=self.is_compileable,
-                                      exact_recent=self.exact_recent,
+                                      exact_recent=self.exact_recent, exact_first=self.exact_first,
                                       exact_dtype=self.exact_dtype or _exact_dtype(key_states.dtype))
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
@@ -321,14 +330,18 @@ class TurboQuantCache(Cache):
     codes and reads them exactly (QuantizedKVCache; a sliding layer clamps R to its window - 1).
     `scale_dtype=torch.bfloat16` stores the scales in half the bytes (KVCodec; 0.25 bits per element less
     at head_dim 64; QUALITY.md measured no perplexity change).
+    `exact_first=S` keeps the first S real tokens of each sequence (the attention sink) in full precision on
+    every full-attention layer (sliding layers: none) and reads them exactly.
     """
 
     def __init__(self, config, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  quantize_current: bool = False, max_cache_len: int | None = None,
-                 fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0, scale_dtype: torch.dtype = torch.float32):
+                 fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0, exact_first: int = 0,
+                 scale_dtype: torch.dtype = torch.float32):
         check_coding_options(k_bits, v_bits, scale_rule, scale_dtype)
-        if not isinstance(exact_recent, int) or isinstance(exact_recent, bool) or exact_recent < 0:
-            raise ValueError(f"exact_recent must be a non-negative int (0: off), got {exact_recent!r}")
+        for name, value in (("exact_recent", exact_recent), ("exact_first", exact_first)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int (0: off), got {value!r}")
         if fit_keys not in KEY_FITS:
             raise ValueError(f"fit_keys must be one of {KEY_FITS}, got {fit_keys!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
@@ -345,11 +358,12 @@ class TurboQuantCache(Cache):
                              f"this config uses {impl!r}")
         exact_dtype = _model_dtype(config)
         layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len, fit_keys,
-                                  exact_recent, exact_dtype, scale_dtype)
+                                  exact_recent, exact_dtype, exact_first, scale_dtype)
                   for _, window in _layer_types(config)]
         super().__init__(layers=layers)
         self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype = k_bits, v_bits, scale_rule, scale_dtype
         self.exact_recent = exact_recent
+        self.exact_first = exact_first
 
     def crop(self, max_length: int) -> None:
         """TurboQuantLayer.crop on every layer, or on none: a ring that cannot drop as much raises first."""
@@ -360,7 +374,7 @@ class TurboQuantCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated over all layers (codes and scales, key transforms, exact windows)."""
+        """Bytes allocated over all layers (codes and scales, key transforms, exact windows and first tokens)."""
         return sum(layer.nbytes for layer in self.layers)
 
     @property
@@ -378,19 +392,19 @@ class TurboQuantCache(Cache):
             if c is not None:
                 held = min(c.max_seen, c.capacity)
                 total += c.batch_size * c.num_kv_heads * held * c.codec.bytes_per_token()
-                total += c.key_transform_nbytes + c.exact_recent_nbytes
+                total += c.key_transform_nbytes + c.exact_recent_nbytes + c.exact_first_nbytes
         return total
 
     def bits_per_element(self) -> float:
-        """Bits per stored K/V element at the lengths held now: codes, scales and the exact windows (scratch
-        rows included) over all layers, per element of the held tokens (key transforms excluded, as in
+        """Bits per stored K/V element at the lengths held now: codes, scales, the exact windows (scratch
+        rows included) and exact first tokens over all layers, per element of the held tokens (key transforms excluded, as in
         KVCodec.bits_per_element)."""
         bits = elements = 0
         for layer in self.layers:
             c = layer.cache
             if c is not None:
                 held = c.batch_size * c.num_kv_heads * min(c.max_seen, c.capacity)
-                bits += 8 * (held * c.codec.bytes_per_token() + c.exact_recent_nbytes)
+                bits += 8 * (held * c.codec.bytes_per_token() + c.exact_recent_nbytes + c.exact_first_nbytes)
                 elements += 2 * held * c.codec.head_dim
         return bits / elements if elements else float("nan")
 

@@ -30,9 +30,10 @@ def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
             key_gain_inv=None, key_shifted=False, nonfinite=None, merge_counters=None, recent_k=None,
-            recent_v=None, exact_recent=0) -> CacheLayout:
+            recent_v=None, exact_recent=0, first_k=None, first_v=None, exact_first=0) -> CacheLayout:
     return CacheLayout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
-                       key_gain_inv, key_shifted, nonfinite, merge_counters, recent_k, recent_v, exact_recent)
+                       key_gain_inv, key_shifted, nonfinite, merge_counters, recent_k, recent_v, exact_recent,
+                       first_k, first_v, exact_first)
 
 
 def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
@@ -62,16 +63,18 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
                      key_gain: Tensor | None, key_gain_inv: Tensor | None, key_shifted: bool,
                      sinks: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
                      scale: float | None, softcap: float | None, plan: list[int], merge_counters: Tensor | None,
-                     recent_k: Tensor | None, recent_v: Tensor | None, exact_recent: int, impl: str) -> Tensor:
+                     recent_k: Tensor | None, recent_v: Tensor | None, exact_recent: int,
+                     first_k: Tensor | None, first_v: Tensor | None, exact_first: int, impl: str) -> Tensor:
     """Attention of q [B, Hq, Tq, D] over the cache (plus fresh k, v).  plan is a DecodePlan.to_list(), or [] /
     [num_splits]: planned here for the cache's capacity (a static cache's plan; planned in the op because under
     torch.compile with dynamic shapes q's sizes are symbols, from which no constant plan can be made).
     merge_counters (the CUDA kernel's, zero before and after) is written during the call: a mutated argument.
     recent_k, recent_v [B, Hkv, R + 1, D] and exact_recent = R: the exact recent window (format/layout.py), read
-    only; None, None, 0 without one."""
+    only; None, None, 0 without one.  first_k, first_v [B, Hkv, S, D] and exact_first = S: the exact first tokens
+    (format/layout.py), read only; None, None, 0 without them."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      key_gain_inv, key_shifted, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
-                     exact_recent=exact_recent)
+                     exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first)
     codec = _codec(q.shape[-1], k_bits, v_bits, scale_dtype=k_scales.dtype)
     if len(plan) > 1:
         decode_plan = DecodePlan.from_list(plan)
@@ -91,7 +94,7 @@ cached_attention = torch.library.custom_op("turboattn::cached_attention", _cache
 @cached_attention.register_fake
 def _(q, k_codes, k_scales, v_codes, v_scales, seen, starts, k, v, key_shift, key_gain, key_gain_inv, key_shifted,
       sinks, sliding_window, k_bits, v_bits, scale, softcap, plan, merge_counters, recent_k, recent_v, exact_recent,
-      impl):
+      first_k, first_v, exact_first, impl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -32,6 +32,12 @@ CPU the exact PyTorch reference), only the cache differs:
     (prefill + scored tokens: TurboQuantCache.bits_per_element).  Strict mode
     with a window is stepped token by token (a chunk would share one window
     boundary among its queries).
+  - `--exact-first S,...` likewise with the first S tokens of each sequence
+    kept exact (TurboQuantCache(exact_first=S); names carry -sS, before -rR
+    when both lists are given: every combination runs); bits per element
+    counted from the cache at the measured length.
+  - `--scale-dtype float32,bfloat16` runs every turboattn method with each scale
+    storage (KVCodec(scale_dtype=); bfloat16 names end in -bf16scales).
 
 The package: methods.py (presets and cache configurations), peers.py (other
 quantizers), scoring.py (the metrics), passkey.py, report.py (tables, plot,
@@ -51,8 +57,8 @@ import torch
 from ..args import (CLIError, add_overwrite, choices, fresh_path, non_negative_ints, parse_bits, positive_int,
                     positive_ints, refuse_overwrite)
 from ..corpus import CORPUS_INFO, corpus_text
-from .methods import (FIT_SUFFIX, MAIN_PRESETS, MIXED_CANDIDATES, PEERS, RULES, Method, bits_per_element,
-                      parse_preset, reference_method, turbo_method)
+from .methods import (FIT_SUFFIX, MAIN_PRESETS, MIXED_CANDIDATES, PEERS, RULES, SCALE_DTYPES, Method,
+                      bits_per_element, parse_preset, reference_method, turbo_method)
 from .passkey import PASSKEY_ANSWER_TOKENS, passkey_hits, passkey_trial
 from .peers import check_peer, peer_default_method, peer_quantizer, peer_strict_method
 from .report import markdown_tables, plot, print_passkey, print_table
@@ -109,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-recent", type=non_negative_ints, default=[0], metavar="LIST",
                         help="comma list of exact recent windows R (0: none); each R > 0 adds the turboattn methods "
                              "with the R newest tokens kept exact, named ...-rR")
+    parser.add_argument("--exact-first", type=non_negative_ints, default=[0], metavar="LIST",
+                        help="comma list of exact first-token counts S (0: none); each S > 0 adds the turboattn "
+                             "methods with the first S tokens of each sequence kept exact, named ...-sS")
+    parser.add_argument("--scale-dtype", type=choices(*SCALE_DTYPES), default="float32", metavar="LIST",
+                        help="comma list of scale storage dtypes from float32, bfloat16 (bfloat16: half the scale "
+                             "bytes, names end in -bf16scales)")
     parser.add_argument("--exact-decode", action="store_true",
                         help="step decode mode token by token instead of the (tested-equal) chunked emulation")
     parser.add_argument("--segments", type=positive_int, default=2, metavar="N", help="corpus windows")
@@ -202,8 +214,10 @@ def run_eval(args) -> int:
     if longest > text_cfg.max_position_embeddings:
         raise CLIError(f"{args.model} takes at most {text_cfg.max_position_embeddings} positions; --prefill + "
                        f"--scored + 1 and --passkey-lengths must fit (got {longest})")
-    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f, exact_recent=w)
-               for p in presets for r in rules for m in modes for f in fits for w in args.exact_recent]
+    methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f, exact_recent=w, exact_first=s,
+                            scale_dtype=sd)
+               for p in presets for r in rules for m in modes for f in fits for s in args.exact_first
+               for w in args.exact_recent for sd in args.scale_dtype]
     skipped = {}
     for peer in dict.fromkeys(peers + peer_defaults):
         why = check_peer(peer)
@@ -250,9 +264,9 @@ def run_eval(args) -> int:
             row = compare(ref, got) | m.info | {"family": m.family, "seconds": got["seconds"],
                                                  "cache_bytes": got["cache_bytes"]}
             if m.family == "turboattn":
-                # With an exact window the cache's own count at the measured length (the window is a fixed cost).
-                row["bits_per_element"] = (got["bits_per_element"] if m.info["exact_recent"]
-                                           else bits_per_element(m.info["preset"], head_dim))
+                # With exact buffers the cache's own count at the measured length (they are a fixed cost).
+                row["bits_per_element"] = (got["bits_per_element"] if m.info["exact_recent"] or m.info["exact_first"]
+                                           else bits_per_element(m.info["preset"], head_dim, m.info["scale_dtype"]))
             results[m.name] = row
             progress.advance(task)
             if not console.is_terminal:  # logs: one line per method

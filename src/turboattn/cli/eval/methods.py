@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ...format.codec import KVCodec
 
 MAIN_PRESETS = ("k8v8", "k6v6", "k5v5", "k4v4", "k4v3", "k3v3", "k2v2")
@@ -22,9 +24,12 @@ def parse_preset(name: str) -> tuple[int, int]:
         raise ValueError(f"preset must look like k4v4, got {name!r}") from None
 
 
-def bits_per_element(preset: str, head_dim: int) -> float:
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # --scale-dtype names
+
+
+def bits_per_element(preset: str, head_dim: int, scale_dtype: str = "float32") -> float:
     kb, vb = parse_preset(preset)
-    return KVCodec(head_dim, kb, vb).bits_per_element()
+    return KVCodec(head_dim, kb, vb, scale_dtype=SCALE_DTYPES[scale_dtype]).bits_per_element()
 
 
 @dataclass
@@ -43,17 +48,24 @@ def reference_method() -> Method:
     return Method("reference", "reference", lambda m: DynamicCache(config=m.config), step=256)
 
 
-def method_name(preset: str, rule: str, mode: str, fit_keys: str, exact_recent: int = 0) -> str:
-    """A turboattn method's name: preset-rule-mode, the key fit's suffix, and -r{R} with an exact window."""
-    return f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys] + (f"-r{exact_recent}" if exact_recent else "")
+def method_name(preset: str, rule: str, mode: str, fit_keys: str, exact_recent: int = 0, exact_first: int = 0,
+                scale_dtype: str = "float32") -> str:
+    """A turboattn method's name: preset-rule-mode, the key fit's suffix, -s{S} with exact first tokens and -r{R}
+    with an exact window (both: -s{S}-r{R}), -bf16scales with bfloat16 scales."""
+    return (f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys] + (f"-s{exact_first}" if exact_first else "")
+            + (f"-r{exact_recent}" if exact_recent else "") + ("-bf16scales" if scale_dtype == "bfloat16" else ""))
 
 
 def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_decode: bool = False,
-                 fit_keys: str | None = None, exact_recent: int = 0) -> Method:
+                 fit_keys: str | None = None, exact_recent: int = 0, exact_first: int = 0,
+                 scale_dtype: str = "float32") -> Method:
     """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
     (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
     fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys].
     exact_recent=R > 0 keeps the R newest tokens exact (TurboQuantCache(exact_recent=R)); the name ends in -r{R}.
+    exact_first=S > 0 keeps the first S tokens exact (TurboQuantCache(exact_first=S)); the name carries -s{S}.
+    Their reads do not depend on chunk boundaries, so strict mode with first tokens alone stays chunked.
+    scale_dtype "bfloat16" stores the scales in bfloat16 (TurboQuantCache(scale_dtype=)); the name ends in -bf16scales.
     Strict mode with a window is stepped token by token: in a chunk every query would read the window of the
     chunk's last token (one boundary per call), which one-token steps do not."""
     from ...hf import KEY_FIT_DEFAULT, TurboQuantCache
@@ -63,12 +75,14 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
 
     def make(model):
         cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys,
-                                exact_recent=exact_recent)
+                                exact_recent=exact_recent, exact_first=exact_first,
+                                scale_dtype=SCALE_DTYPES[scale_dtype])
         if not strict and not exact_decode:
             from ...integrations.decode_emulation import DecodeEmulationLayer
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
         return cache
-    name = method_name(preset, rule, mode, fit_keys, exact_recent)
+    name = method_name(preset, rule, mode, fit_keys, exact_recent, exact_first, scale_dtype)
     stepped = exact_decode or (strict and exact_recent > 0)
     return Method(name, "turboattn", make, step=1 if stepped else chunk,
-                  info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys, exact_recent=exact_recent))
+                  info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys, exact_recent=exact_recent,
+                            exact_first=exact_first, scale_dtype=scale_dtype))

@@ -49,7 +49,8 @@ def plot(report: dict, path: Path) -> None:
         if r.get("family") == "turboattn":
             fit = {True: "balance", False: "off"}.get(r.get("fit_keys", "balance"), r.get("fit_keys"))
             fit = "" if fit == "balance" else f" key fit {fit}"
-            window = f" exact {r['exact_recent']}" if r.get("exact_recent") else ""
+            window = f" exact first {r['exact_first']}" if r.get("exact_first") else ""
+            window += f" exact {r['exact_recent']}" if r.get("exact_recent") else ""
             groups.setdefault(f"turboattn {r['mode']} {r['rule']}{fit}{window}", []).append(r)
     for label, rows in sorted(groups.items()):
         rows.sort(key=lambda r: r["bits_per_element"])
@@ -82,16 +83,18 @@ def markdown_tables(report: dict) -> str:
         lo, hi = r["ppl_change_ci95_pct"]
         return f"{r['ppl_change_pct']:+.2f}% [{lo:+.1f}, {hi:+.1f}]"
     presets = dict.fromkeys(r["preset"] for r in res.values() if r.get("family") == "turboattn")
-    windows = sorted({r.get("exact_recent", 0) for r in res.values() if r.get("family") == "turboattn"})
-    for p, rule, fit, w in ((p, rule, f, w) for p in presets for rule in RULES for f in FIT_SUFFIX for w in windows):
-        d = res.get(method_name(p, rule, "decode", fit, w))
-        s = res.get(method_name(p, rule, "strict", fit, w))
+    windows = sorted({(r.get("exact_first", 0), r.get("exact_recent", 0)) for r in res.values()
+                      if r.get("family") == "turboattn"})
+    for p, rule, fit, (first, w) in ((p, rule, f, w) for p in presets for rule in RULES for f in FIT_SUFFIX
+                                     for w in windows):
+        d = res.get(method_name(p, rule, "decode", fit, w, first))
+        s = res.get(method_name(p, rule, "strict", fit, w, first))
         if d is None and s is None:
             continue
         any_row = d or s
         # A window's bytes count in its row's own bits (measured); the codec's otherwise.
-        bits = any_row["bits_per_element"] if w else bits_per_element(p, hd)
-        label = f"{p} + {w} exact" if w else p
+        bits = any_row["bits_per_element"] if w or first else bits_per_element(p, hd)
+        label = p + (f" + first {first} exact" if first else "") + (f" + {w} exact" if w else "")
         lines.append(f"| {label} | {bits:.3f} | {rule} | {fit} | "
                      f"{pct(d) if d else ''} | {pct(s) if s else ''} | {any_row['argmax_disagree_pct']:.1f}% | "
                      f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")

@@ -98,7 +98,7 @@ def run_method(model, segments, prefill, method, recorder) -> dict:
         top.append(t)
         attn = a if attn is None else [torch.cat([x, y]) for x, y in zip(attn, a)]
     nbytes = cache.nbytes_used() if hasattr(cache, "nbytes_used") else None
-    # Bits per element at the measured length (the last segment's), exact windows included.
+    # Bits per element at the measured length (the last segment's), exact windows and first tokens included.
     bits = cache.bits_per_element() if hasattr(cache, "bits_per_element") else None
     return {"nll": torch.cat(nll), "top": torch.cat(top), "attn": attn, "seconds": time.time() - t0,
             "cache_bytes": nbytes, "bits_per_element": bits}

@@ -3,8 +3,8 @@
 One launch covers the cache splits and their merge: the last CTA of each sequence x KV head attends the
 fresh k/v tokens (when given) in full precision, merges them with the splits, adds the sinks, rotates back
 and casts.  Calls the kernel does not serve (other bit widths or head dims, more than 8 query
-rows per KV head, GPUs before sm_80, a cache with an exact recent window or bfloat16 scales: not implemented
-here) go to the Triton path.  The extension is built with nvcc on first use
+rows per KV head, GPUs before sm_80, a cache with an exact recent window, exact first tokens or bfloat16
+scales: not implemented here) go to the Triton path.  The extension is built with nvcc on first use
 (torch.utils.cpp_extension).
 """
 
@@ -53,11 +53,13 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int, exact_recent: int = 0) -> bool:
+def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int, exact_recent: int = 0,
+             exact_first: int = 0) -> bool:
     """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels).  A cache with an exact
-    recent window (exact_recent > 0) is not served: the kernel does not read the window."""
+    recent window (exact_recent > 0) or exact first tokens (exact_first > 0) is not served: the kernel reads
+    neither."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return (q.is_cuda and not exact_recent and codec.scale_dtype == torch.float32
+    return (q.is_cuda and not exact_recent and not exact_first and codec.scale_dtype == torch.float32
             and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device))
 
 
@@ -82,7 +84,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     rows = tq * (hq // hkv)
-    ext = _extension() if supports(q, codec, hkv, layout.exact_recent) else None
+    ext = _extension() if supports(q, codec, hkv, layout.exact_recent, layout.exact_first) else None
     if ext is not None and plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda")
     if ext is None or plan.num_splits > CUDA_MAX_PARTS:

@@ -12,6 +12,11 @@ hidden key's value never meets a zero weight: 0 * NaN would leak).
 Exact recent window (layout.exact_recent = R > 0): the slots of positions
 >= seen - R are replaced by the exact rows of recent_k / recent_v (positions
 from layout.recent_positions), so those positions are read in full precision.
+
+Exact first tokens (layout.exact_first = S > 0): the slots of positions
+< starts + S are replaced by the rows of first_k / first_v (positions from
+layout.first_positions); the window then holds only positions >= starts + S
+(recent_positions), so a position among both is read once, from first_k.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from ...format.codec import KVCodec
-from ...format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
+from ...format.layout import (CacheLayout, dequantize_slots, first_positions, recent_positions,
+                               slot_positions)
 from ..flash.naive import attention_reference, visibility
 
 
@@ -41,6 +47,13 @@ def cached_attention_naive(q: torch.Tensor, layout: CacheLayout, codec: KVCodec,
         k_all = torch.cat([k_all, layout.recent_k[:, :, :r_len].to(compute_dtype)], dim=2)
         v_all = torch.cat([v_all, layout.recent_v[:, :, :r_len].to(compute_dtype)], dim=2)
         k_pos = torch.cat([k_pos, recent_positions(layout)], dim=1)
+    if layout.exact_first:
+        # Positions [starts, starts + S) come from the first-token rows instead of their codes.
+        first_end = layout.starts.to(torch.int64)[:, None] + layout.exact_first
+        k_pos = torch.where(k_pos < first_end, torch.full_like(k_pos, -1), k_pos)
+        k_all = torch.cat([k_all, layout.first_k.to(compute_dtype)], dim=2)
+        v_all = torch.cat([v_all, layout.first_v.to(compute_dtype)], dim=2)
+        k_pos = torch.cat([k_pos, first_positions(layout)], dim=1)
     if k is not None:
         fresh_pos = seen + offsets
         fresh_pos = torch.where(fresh_pos >= layout.starts.to(torch.int64)[:, None], fresh_pos, -1)

@@ -21,6 +21,12 @@ positions >= seen - R, and the extra program (split index num_splits, which
 also serves fresh k/v) first attends the window's rows (positions
 seen - R .. seen - 1, in the model's domain like fresh k/v), then the fresh
 tokens, through one helper (`_attend_exact`).
+
+Exact first tokens (layout.exact_first = S > 0, contiguous caches only): the
+split programs skip positions < starts + S, and the extra program attends the
+rows of first_k / first_v (position starts + j in row j, visible once
+starts + j < seen) before the window, whose rows below starts + S it skips
+(the first-token rows win), then the fresh tokens.
 """
 
 from __future__ import annotations
@@ -188,13 +194,14 @@ def _cached_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_codes, k_scales, v_codes, v_scales, k_cb, v_cb,
     kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr,
     key_shift_ptr, key_gain_ptr, key_gain_inv_ptr, rk_ptr, rv_ptr, sr_b, sr_h, sr_t, exact_recent,
+    fk_ptr, fv_ptr, si_b, si_h, si_t, exact_first,
     q_scale, softcap, Tq, N, window, num_kv_heads, num_splits, num_parts,
     D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr, HAS_FRESH: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, K_LUT: tl.constexpr, V_LUT: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, PRE_ROTATED: tl.constexpr,
-    KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, EXACT: tl.constexpr,
+    KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, EXACT: tl.constexpr, FIRST: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = 2 if D == 512 else 1
@@ -233,6 +240,8 @@ def _cached_attention_kernel(
             hi = tl.minimum(hi, qpos_max + 1)
             if EXACT:
                 hi = tl.minimum(hi, seen - exact_recent)   # the window's positions are read exactly
+            if FIRST:
+                lo = tl.maximum(lo, start + exact_first)   # so are the first tokens'
         cache_row0 = (b * num_kv_heads + kvh).to(tl.int64) * N
         for n0 in range(lo, hi, BLOCK_N):
             slot = n0 + offs_n
@@ -278,6 +287,17 @@ def _cached_attention_kernel(
                 acc_lo = tl.dot((p * vs0[None, :]).to(tl.float16), v_lo, acc=acc_lo * alpha[:, None])
                 acc_hi = tl.dot((p * vs1[None, :]).to(tl.float16), v_hi, acc=acc_hi * alpha[:, None])
     else:
+        if FIRST:
+            # The exact first tokens: row j holds position start + j, stored once start + j < seen.
+            first_base = b * si_b + kvh * si_h
+            for n0 in range(0, exact_first, BLOCK_N):
+                j = n0 + offs_n
+                pos = start + j
+                m, l, acc_lo, acc_hi = _attend_exact(
+                    fk_ptr + first_base + j * si_t, fv_ptr + first_base + j * si_t, (j < exact_first) & (pos < seen),
+                    pos, qpos, start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr,
+                    key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP,
+                    HAS_WINDOW)
         if EXACT:
             # The exact window: row r holds the position p in [seen - R, seen) with p = r (mod R).
             ring_base = b * sr_b + kvh * sr_h
@@ -286,6 +306,8 @@ def _cached_attention_kernel(
                 r = n0 + offs_n
                 pos = seen - exact_recent + (r - phase + exact_recent) % exact_recent
                 valid = (r < exact_recent) & (pos >= 0)
+                if FIRST:
+                    valid = valid & (pos >= start + exact_first)   # the first-token rows win
                 m, l, acc_lo, acc_hi = _attend_exact(
                     rk_ptr + ring_base + r * sr_t, rv_ptr + ring_base + r * sr_t, valid, pos, qpos, start, row_ok,
                     window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr, key_shift_ptr + xf,
@@ -370,8 +392,10 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     dev = q.device
     has_fresh = k is not None
     exact = layout.exact_recent > 0
+    first = layout.exact_first > 0
     rk, rv = layout.recent_k, layout.recent_v
-    parts = plan.num_splits + int(has_fresh or exact)
+    fk, fv = layout.first_k, layout.first_v
+    parts = plan.num_splits + int(has_fresh or exact or first)
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
     # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
     pre_rotated = d == 512
@@ -381,6 +405,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
             q = to_stored_queries(q.to(torch.float32), layout.key_gain)
             k = None if k is None else to_stored_keys(k, layout.key_shift, layout.key_gain)
             rk = None if rk is None else to_stored_keys(rk, layout.key_shift, layout.key_gain)
+            fk = None if fk is None else to_stored_keys(fk, layout.key_shift, layout.key_gain)
             key_xform = False
         q = (rotate(q.to(torch.float32)) * q_scale).to(torch.float16)
         if has_fresh:
@@ -389,6 +414,9 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         if exact:  # the exact window like fresh k/v
             rk = rotate(rk.to(torch.float32)).to(torch.float16)
             rv = rotate(rv.to(torch.float32)).to(torch.float16)
+        if first:  # the first tokens too
+            fk = rotate(fk.to(torch.float32)).to(torch.float16)
+            fv = rotate(fv.to(torch.float32)).to(torch.float16)
     if q.stride(3) != 1:
         q = q.contiguous()
     if has_fresh:
@@ -400,6 +428,10 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         rk, rv = rk.contiguous(), rv.contiguous()   # one set of strides for both
     else:
         rk = rv = q   # unused without an exact window
+    if first:
+        fk, fv = fk.contiguous(), fv.contiguous()
+    else:
+        fk = fv = q   # unused without exact first tokens
 
     rows = tq * group
     row_blocks = triton.cdiv(rows, plan.block_m)
@@ -416,6 +448,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         device_signs(d, dev), hadamard_tile(d // 2, dev),
         *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
         rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), layout.exact_recent,
+        fk, fv, fk.stride(0), fk.stride(1), fk.stride(2), layout.exact_first,
         float(q_scale), float(softcap or 0.0), tq, layout.capacity, window, hkv, plan.num_splits,
         parts,
         D=d, G=group, K_BITS=k_spec.bits, K_W0=k_spec.low_plane, K_W1=k_spec.high_plane,
@@ -424,6 +457,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
         K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
         PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted, EXACT=exact,
+        FIRST=first,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
@@ -454,7 +488,7 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
     hkv = layout.num_kv_heads
     if plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv), layout.capacity)
-    parts = plan.num_splits + int(k is not None or layout.exact_recent > 0)
+    parts = plan.num_splits + int(k is not None or layout.exact_recent > 0 or layout.exact_first > 0)
     o_part, lse_part = part_buffers(q, hkv, parts)
     launch_parts(q, layout, codec, k, v, query_scale(d, scale, softcap), softcap, plan, o_part, lse_part)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
