@@ -76,3 +76,22 @@ def test_saved_cache_keeps_its_window(tmp_path):
     token = torch.tensor([[5]])
     want = model(input_ids=token, past_key_values=cache).logits
     assert torch.equal(model(input_ids=token, past_key_values=loaded).logits, want)
+
+
+@torch.no_grad()
+def test_window_on_full_layers_only(tmp_path):
+    """exact_recent_sliding=False: the sliding layers keep no window (their rings are short), the full layers
+    keep theirs; the option survives a save and load, and eval names such methods ...-r{R}full."""
+    model = tiny_gemma3()
+    with pytest.raises(TypeError, match="exact_recent_sliding"):
+        TurboQuantCache(model.config, exact_recent=4, exact_recent_sliding=0)
+    cache = TurboQuantCache(model.config, 4, 4, exact_recent=4, exact_recent_sliding=False)
+    model(input_ids=random_ids(20, seed=3), past_key_values=cache, use_cache=True)
+    windows = {layer.is_sliding: layer.cache.exact_recent for layer in cache.layers}
+    assert windows == {True: 0, False: 4}
+    save_turboquant_cache(cache, tmp_path / "c.safetensors")
+    loaded = load_turboquant_cache(tmp_path / "c.safetensors", model.config)
+    assert not loaded.exact_recent_sliding
+    assert [layer.cache.exact_recent for layer in loaded.layers] == [layer.cache.exact_recent for layer in cache.layers]
+    method = ev.turbo_method("k4v4", "corrected", "decode", exact_recent=64, recent_sliding=False)
+    assert method.name == "k4v4-corrected-decode-center-r64full"

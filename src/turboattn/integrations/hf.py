@@ -332,13 +332,17 @@ class TurboQuantCache(Cache):
     at head_dim 64; QUALITY.md measured no perplexity change).
     `exact_first=S` keeps the first S real tokens of each sequence (the attention sink) in full precision on
     every full-attention layer (sliding layers: none) and reads them exactly.
+    `exact_recent_sliding=False` keeps the exact recent window on full-attention layers only: a sliding layer's
+    ring is short (Gemma-3: 512 tokens), so a window there costs a large share of its bytes.
     """
 
     def __init__(self, config, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
                  quantize_current: bool = False, max_cache_len: int | None = None,
                  fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0, exact_first: int = 0,
-                 scale_dtype: torch.dtype = torch.float32):
+                 scale_dtype: torch.dtype = torch.float32, exact_recent_sliding: bool = True):
         check_coding_options(k_bits, v_bits, scale_rule, scale_dtype)
+        if not isinstance(exact_recent_sliding, bool):
+            raise TypeError(f"exact_recent_sliding must be a bool, got {exact_recent_sliding!r}")
         for name, value in (("exact_recent", exact_recent), ("exact_first", exact_first)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int (0: off), got {value!r}")
@@ -358,12 +362,14 @@ class TurboQuantCache(Cache):
                              f"this config uses {impl!r}")
         exact_dtype = _model_dtype(config)
         layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len, fit_keys,
-                                  exact_recent, exact_dtype, exact_first, scale_dtype)
+                                  exact_recent if window is None or exact_recent_sliding else 0, exact_dtype,
+                                  exact_first, scale_dtype)
                   for _, window in _layer_types(config)]
         super().__init__(layers=layers)
         self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype = k_bits, v_bits, scale_rule, scale_dtype
         self.exact_recent = exact_recent
         self.exact_first = exact_first
+        self.exact_recent_sliding = exact_recent_sliding
 
     def crop(self, max_length: int) -> None:
         """TurboQuantLayer.crop on every layer, or on none: a ring that cannot drop as much raises first."""

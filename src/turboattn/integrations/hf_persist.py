@@ -7,7 +7,7 @@
 Layer i's cache is stored under the key prefix "layers.<i>." in cache/persist.py's format; the
 header adds `kind`, `file_version`, `num_layers`, the constructor's options (k_bits, v_bits,
 scale_rule, fit_keys, quantize_current, max_cache_len, exact_recent and exact_first: "0" when absent, scale_dtype:
-float32 when absent) and, per layer, its sliding window, the
+float32 when absent, exact_recent_sliding: "0" when False, absent when True) and, per layer, its sliding window, the
 dtype of the K/V it was given, or "empty" for a layer that holds nothing yet.  Loading rebuilds
 the cache from the model config (as the constructor does) and checks that its layers match the file.
 """
@@ -47,6 +47,8 @@ def save_turboquant_cache(cache: TurboQuantCache, path: str | os.PathLike) -> No
         meta["exact_recent"] = str(cache.exact_recent)
     if cache.scale_dtype != torch.float32:
         meta["scale_dtype"] = str(cache.scale_dtype)
+    if not cache.exact_recent_sliding:
+        meta["exact_recent_sliding"] = "0"
     if cache.exact_first:   # the layers' files then have file_version 3: older readers refuse them
         meta["exact_first"] = str(cache.exact_first)
     tensors = {}
@@ -79,7 +81,8 @@ def load_turboquant_cache(path: str | os.PathLike, config, device=None) -> Turbo
                             max_cache_len=None if max_len == "none" else int(max_len), fit_keys=meta["fit_keys"],
                             exact_recent=int(meta.get("exact_recent", "0")),
                             exact_first=int(meta.get("exact_first", "0")),
-                            scale_dtype=_scale_dtype(meta.get("scale_dtype", "torch.float32"), source))
+                            scale_dtype=_scale_dtype(meta.get("scale_dtype", "torch.float32"), source),
+                            exact_recent_sliding=meta.get("exact_recent_sliding", "1") != "0")
     if len(cache.layers) != int(meta["num_layers"]):
         raise ValueError(f"{source}: holds {meta['num_layers']} layers, the model config has {len(cache.layers)}")
     for i, layer in enumerate(cache.layers):

@@ -36,6 +36,7 @@ CPU the exact PyTorch reference), only the cache differs:
     kept exact (TurboQuantCache(exact_first=S); names carry -sS, before -rR
     when both lists are given: every combination runs); bits per element
     counted from the cache at the measured length.
+  - `--exact-recent-full-only` keeps the window on full-attention layers only.
   - `--scale-dtype float32,bfloat16` runs every turboattn method with each scale
     storage (KVCodec(scale_dtype=); bfloat16 names end in -bf16scales).
 
@@ -121,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-dtype", type=choices(*SCALE_DTYPES), default="float32", metavar="LIST",
                         help="comma list of scale storage dtypes from float32, bfloat16 (bfloat16: half the scale "
                              "bytes, names end in -bf16scales)")
+    parser.add_argument("--exact-recent-full-only", action="store_true",
+                        help="keep the exact recent window on full-attention layers only (sliding layers' rings are "
+                             "short: a window costs a large share of them); names end in -r{R}full")
     parser.add_argument("--exact-decode", action="store_true",
                         help="step decode mode token by token instead of the (tested-equal) chunked emulation")
     parser.add_argument("--segments", type=positive_int, default=2, metavar="N", help="corpus windows")
@@ -215,7 +219,7 @@ def run_eval(args) -> int:
         raise CLIError(f"{args.model} takes at most {text_cfg.max_position_embeddings} positions; --prefill + "
                        f"--scored + 1 and --passkey-lengths must fit (got {longest})")
     methods = [turbo_method(p, r, m, exact_decode=args.exact_decode, fit_keys=f, exact_recent=w, exact_first=s,
-                            scale_dtype=sd)
+                            scale_dtype=sd, recent_sliding=not args.exact_recent_full_only)
                for p in presets for r in rules for m in modes for f in fits for s in args.exact_first
                for w in args.exact_recent for sd in args.scale_dtype]
     skipped = {}

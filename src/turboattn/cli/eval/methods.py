@@ -49,16 +49,18 @@ def reference_method() -> Method:
 
 
 def method_name(preset: str, rule: str, mode: str, fit_keys: str, exact_recent: int = 0, exact_first: int = 0,
-                scale_dtype: str = "float32") -> str:
+                scale_dtype: str = "float32", recent_sliding: bool = True) -> str:
     """A turboattn method's name: preset-rule-mode, the key fit's suffix, -s{S} with exact first tokens and -r{R}
-    with an exact window (both: -s{S}-r{R}), -bf16scales with bfloat16 scales."""
+    with an exact window (both: -s{S}-r{R}; -r{R}full when sliding layers keep none), -bf16scales with bfloat16
+    scales."""
+    window = f"-r{exact_recent}" + ("" if recent_sliding else "full") if exact_recent else ""
     return (f"{preset}-{rule}-{mode}" + FIT_SUFFIX[fit_keys] + (f"-s{exact_first}" if exact_first else "")
-            + (f"-r{exact_recent}" if exact_recent else "") + ("-bf16scales" if scale_dtype == "bfloat16" else ""))
+            + window + ("-bf16scales" if scale_dtype == "bfloat16" else ""))
 
 
 def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_decode: bool = False,
                  fit_keys: str | None = None, exact_recent: int = 0, exact_first: int = 0,
-                 scale_dtype: str = "float32") -> Method:
+                 scale_dtype: str = "float32", recent_sliding: bool = True) -> Method:
     """Our cache.  Strict mode is exact in chunks; decode mode is either stepped token by token
     (exact_decode) or emulated in chunks by DecodeEmulationLayer (tests prove the two agree).
     fit_keys picks the key transform (None: the library default); the name carries FIT_SUFFIX[fit_keys].
@@ -66,6 +68,7 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
     exact_first=S > 0 keeps the first S tokens exact (TurboQuantCache(exact_first=S)); the name carries -s{S}.
     Their reads do not depend on chunk boundaries, so strict mode with first tokens alone stays chunked.
     scale_dtype "bfloat16" stores the scales in bfloat16 (TurboQuantCache(scale_dtype=)); the name ends in -bf16scales.
+    recent_sliding=False keeps the window on full-attention layers only (TurboQuantCache(exact_recent_sliding=)).
     Strict mode with a window is stepped token by token: in a chunk every query would read the window of the
     chunk's last token (one boundary per call), which one-token steps do not."""
     from ...hf import KEY_FIT_DEFAULT, TurboQuantCache
@@ -76,13 +79,13 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
     def make(model):
         cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys,
                                 exact_recent=exact_recent, exact_first=exact_first,
-                                scale_dtype=SCALE_DTYPES[scale_dtype])
+                                scale_dtype=SCALE_DTYPES[scale_dtype], exact_recent_sliding=recent_sliding)
         if not strict and not exact_decode:
             from ...integrations.decode_emulation import DecodeEmulationLayer
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
         return cache
-    name = method_name(preset, rule, mode, fit_keys, exact_recent, exact_first, scale_dtype)
+    name = method_name(preset, rule, mode, fit_keys, exact_recent, exact_first, scale_dtype, recent_sliding)
     stepped = exact_decode or (strict and exact_recent > 0)
     return Method(name, "turboattn", make, step=1 if stepped else chunk,
                   info=dict(preset=preset, rule=rule, mode=mode, fit_keys=fit_keys, exact_recent=exact_recent,
-                            exact_first=exact_first, scale_dtype=scale_dtype))
+                            exact_first=exact_first, scale_dtype=scale_dtype, recent_sliding=recent_sliding))
