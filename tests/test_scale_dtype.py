@@ -157,3 +157,19 @@ def test_eval_runs_each_scale_dtype():
     method = ev.turbo_method("k4v4", "corrected", "decode", scale_dtype="bfloat16", exact_recent=8)
     assert method.name == "k4v4-corrected-decode-center-r8-bf16scales" and method.info["scale_dtype"] == "bfloat16"
     assert ev.bits_per_element("k4v4", 64, "bfloat16") == 4.25 and ev.bits_per_element("k4v4", 64) == 4.5
+
+
+def test_report_labels_scales_and_full_layer_windows():
+    """QUALITY.md's tables list rows with bf16 scales and with the window on full layers only, each under its
+    own label (their method names carry -bf16scales and -r{R}full)."""
+    from turboattn.cli.eval.report import markdown_tables
+    base = dict(family="turboattn", preset="k4v4", rule="corrected", mode="decode", fit_keys="center",
+                ppl_change_pct=0.04, ppl_change_ci95_pct=[0.0, 0.1], argmax_disagree_pct=1.0, attn_cos_mean=0.99,
+                attn_cos_p1=0.9)
+    rows = {"k4v4-corrected-decode-center-bf16scales": base | dict(scale_dtype="bfloat16"),
+            "k4v4-corrected-decode-center-r8full-bf16scales": base | dict(scale_dtype="bfloat16", exact_recent=8,
+                                                                         recent_sliding=False, bits_per_element=4.3)}
+    report = {"results": {"reference": {"ppl": 10.0}} | rows, "head_dim": 64, "segments": 1, "scored_per_segment": 8}
+    text = markdown_tables(report)
+    assert "| k4v4 + bf16 scales | 4.250 |" in text
+    assert "| k4v4 + 8 exact (full layers) + bf16 scales | 4.300 |" in text

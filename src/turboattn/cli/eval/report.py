@@ -83,18 +83,21 @@ def markdown_tables(report: dict) -> str:
         lo, hi = r["ppl_change_ci95_pct"]
         return f"{r['ppl_change_pct']:+.2f}% [{lo:+.1f}, {hi:+.1f}]"
     presets = dict.fromkeys(r["preset"] for r in res.values() if r.get("family") == "turboattn")
-    windows = sorted({(r.get("exact_first", 0), r.get("exact_recent", 0)) for r in res.values()
-                      if r.get("family") == "turboattn"})
-    for p, rule, fit, (first, w) in ((p, rule, f, w) for p in presets for rule in RULES for f in FIT_SUFFIX
-                                     for w in windows):
-        d = res.get(method_name(p, rule, "decode", fit, w, first))
-        s = res.get(method_name(p, rule, "strict", fit, w, first))
+    # Cache options beside the preset: exact first tokens, exact window (and whether sliding layers keep it), scales.
+    options = sorted({(r.get("exact_first", 0), r.get("exact_recent", 0), r.get("recent_sliding", True),
+                       r.get("scale_dtype", "float32")) for r in res.values() if r.get("family") == "turboattn"})
+    for p, rule, fit, (first, w, sliding, scales) in ((p, rule, f, o) for p in presets for rule in RULES
+                                                      for f in FIT_SUFFIX for o in options):
+        d = res.get(method_name(p, rule, "decode", fit, w, first, scales, sliding))
+        s = res.get(method_name(p, rule, "strict", fit, w, first, scales, sliding))
         if d is None and s is None:
             continue
         any_row = d or s
         # A window's bytes count in its row's own bits (measured); the codec's otherwise.
-        bits = any_row["bits_per_element"] if w or first else bits_per_element(p, hd)
-        label = p + (f" + first {first} exact" if first else "") + (f" + {w} exact" if w else "")
+        bits = any_row["bits_per_element"] if w or first else bits_per_element(p, hd, scales)
+        label = (p + (f" + first {first} exact" if first else "")
+                 + (f" + {w} exact" + ("" if sliding else " (full layers)") if w else "")
+                 + (" + bf16 scales" if scales == "bfloat16" else ""))
         lines.append(f"| {label} | {bits:.3f} | {rule} | {fit} | "
                      f"{pct(d) if d else ''} | {pct(s) if s else ''} | {any_row['argmax_disagree_pct']:.1f}% | "
                      f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")
