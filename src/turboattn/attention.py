@@ -11,7 +11,7 @@ from .cache import QuantizedKVCache
 from .format.codec import check_attention_dtype
 from .ops.library import run
 from .ops.backend import choose
-from .ops.cached.config import DecodePlan, plan_decode
+from .ops.cached.config import DecodePlan, cuda_kernel_reads, plan_decode
 
 
 def _check_tensor(name: str, t, dims: int) -> None:
@@ -117,9 +117,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
     impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
-    if impl == "cuda" and (cache.exact_recent or cache.exact_first or cache.codec.scale_dtype != torch.float32):
-        # the CUDA fast path has no exact window or first tokens and reads float32 scales (ops/cached/cuda.py)
-        impl = "triton"
+    if impl == "cuda" and not cuda_kernel_reads(cache.codec.scale_dtype, cache.exact_recent, cache.exact_first):
+        impl = "triton"   # planned for the kernel that will run
     if plan is not None:
         plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
     elif cache.is_static:

@@ -51,6 +51,12 @@ def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int)
     return head_dim in CUDA_HEAD_DIMS and k_bits == 4 and v_bits == 4 and query_rows <= CUDA_MAX_ROWS
 
 
+def cuda_kernel_reads(scale_dtype: torch.dtype, exact_recent: int, exact_first: int) -> bool:
+    """Whether the CUDA kernel reads a cache stored this way: float32 scales, and neither an exact recent window
+    nor exact first tokens (it has no code for them; such calls go to Triton)."""
+    return scale_dtype == torch.float32 and not exact_recent and not exact_first
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     block_m: int       # query rows (Tq x GQA group) per program

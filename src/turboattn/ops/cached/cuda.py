@@ -20,7 +20,8 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from .config import CUDA_CTAS_PER_SM, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
+from .config import (CUDA_CTAS_PER_SM, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_reads, cuda_kernel_serves,
+                     plan_decode)
 from .triton import cached_attention_triton, part_buffers, query_scale
 
 CSRC = Path(__file__).with_name("csrc")
@@ -55,11 +56,10 @@ def _capable(device: torch.device) -> bool:
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int, exact_recent: int = 0,
              exact_first: int = 0) -> bool:
-    """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels).  A cache with an exact
-    recent window (exact_recent > 0) or exact first tokens (exact_first > 0) is not served: the kernel reads
-    neither."""
+    """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels): its shape
+    (config.cuda_kernel_serves), the cache's storage (config.cuda_kernel_reads) and the GPU."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return (q.is_cuda and not exact_recent and not exact_first and codec.scale_dtype == torch.float32
+    return (q.is_cuda and cuda_kernel_reads(codec.scale_dtype, exact_recent, exact_first)
             and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device))
 
 
