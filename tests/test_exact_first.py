@@ -5,8 +5,6 @@ and in the window is attended once), the cache's state operations, persistence a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,18 +12,8 @@ import turboattn as ta
 from turboattn.format.layout import first_positions, recent_positions
 from turboattn.ops.cached.naive import cached_attention_naive
 
+from exact_cache import FP16_TOL, check_static_step_compiles_once, fill, needs_triton, rel
 from naive import float32_attention_tolerance, naive_attention
-
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(not INTERPRETER and not torch.cuda.is_available(),
-                                  reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
-# As in test_exact_recent.py: float16 dot operands (rotated q, weights, centroids, the rotated exact rows), each
-# rounded to 2^-11 relative, and one more rounding for the float16 output.
-FP16_TOL = 4 * 2.0**-11 + 2.0**-11
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _cache(codec, b, hkv, s_len, r_len=0, capacity=64, pad=None, **kw):
@@ -33,24 +21,6 @@ def _cache(codec, b, hkv, s_len, r_len=0, capacity=64, pad=None, **kw):
     if pad is not None:
         cache.set_left_padding(pad)   # before the first append: the first-token rows are indexed from it
     return cache
-
-
-def _fill(gen, cache, chunks, new_lengths=None, shift=False):
-    """Append random chunks (T tokens each); returns the K/V per sequence (padding included) as lists of [Hkv, D]."""
-    b, hkv, d = cache.batch_size, cache.num_kv_heads, cache.codec.head_dim
-    if shift:
-        cache.set_key_transform(torch.randn(b, hkv, d, generator=gen), torch.rand(b, hkv, d, generator=gen) + 0.5)
-    ks, vs = [[] for _ in range(b)], [[] for _ in range(b)]
-    for i, t in enumerate(chunks):
-        k = torch.randn(b, hkv, t, d, generator=gen) * 2
-        v = torch.randn(b, hkv, t, d, generator=gen)
-        n = new_lengths[i] if new_lengths else None
-        cache.append(k, v, new_lengths=n, backend="torch")
-        for s in range(b):
-            real = t if n is None else n[s]
-            ks[s] += list(k[s, :, :real].unbind(1))
-            vs[s] += list(v[s, :, :real].unbind(1))
-    return ks, vs
 
 
 # -- the Triton kernel against its PyTorch twin ------------------------------------------------------------
@@ -74,7 +44,7 @@ def test_kernel_matches_twin(gen, case):
     d, b, hkv = 64, 2, 2
     codec = ta.KVCodec(d, 4, 3)
     cache = _cache(codec, b, hkv, s_len, r_len, capacity=80, pad=pad, exact_dtype=torch.float32)
-    _fill(gen, cache, chunks, [[t, t // 2 + 1] for t in chunks] if ragged else None, shift)
+    fill(gen, cache, chunks, [[t, t // 2 + 1] for t in chunks] if ragged else None, shift)
     q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
     kf = torch.randn(b, hkv, tq, d, generator=gen).half()
     vf = torch.randn(b, hkv, tq, d, generator=gen).half()
@@ -83,7 +53,7 @@ def test_kernel_matches_twin(gen, case):
         for splits in (None, 3):
             out = ta.cached_attention(q, cache, k, v, backend="triton", num_splits=splits)
             ref = cached_attention_naive(q, cache.layout, codec, k, v, compute_dtype=torch.float64)
-            assert _rel(out, ref) < FP16_TOL, (fresh, splits, _rel(out, ref))
+            assert rel(out, ref) < FP16_TOL, (fresh, splits, rel(out, ref))
 
 
 @needs_triton
@@ -92,7 +62,7 @@ def test_kernel_reads_the_first_rows_not_the_codes(gen, r_len):
     """Spoiling the codes of the first positions changes nothing (both paths); spoiling a first-token row does."""
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 2, 2, 4, r_len, capacity=40, pad=[0, 3], exact_dtype=torch.float32)
-    _fill(gen, cache, (30,))
+    fill(gen, cache, (30,))
     q = torch.randn(2, 2, 3, 64, generator=gen).half()
     before = {be: ta.cached_attention(q, cache, backend=be) for be in ("torch", "triton")}
     cache.k_codes[0, :, 0:4] = 0xFF
@@ -111,27 +81,27 @@ def test_kernel_reads_the_first_rows_not_the_codes(gen, r_len):
 def test_kernel_head_dim_512_rotates_the_first_rows_on_the_host(gen):
     codec = ta.KVCodec(512, 4, 4)
     cache = _cache(codec, 1, 1, 4, 3, capacity=40)   # exact_dtype bfloat16, the default
-    _fill(gen, cache, (20,), shift=True)
+    fill(gen, cache, (20,), shift=True)
     q = torch.randn(1, 2, 2, 512, generator=gen).half()
     k, v = (torch.randn(1, 1, 2, 512, generator=gen).half() for _ in range(2))
     for fresh in ((None, None), (k, v)):
         out = ta.cached_attention(q, cache, *fresh, backend="triton")
         ref = cached_attention_naive(q, cache.layout, codec, *fresh, compute_dtype=torch.float64)
-        assert _rel(out, ref) < FP16_TOL
+        assert rel(out, ref) < FP16_TOL
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_nonfinite_first_row_reaches_exactly_the_queries_that_see_it(gen, backend):
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 2, 1, 4, 2, capacity=40, exact_dtype=torch.float32)
-    _fill(gen, cache, (6,))
+    fill(gen, cache, (6,))
     cache.first_k[0, :, 2, 5] = float("nan")   # position 2 of sequence 0
     q = torch.randn(2, 1, 6, 64, generator=gen).half()
     out = ta.cached_attention(q, cache, backend=backend)   # queries at positions 0..5
     assert not out[0, :, :2].isnan().any() and out[0, :, 2:].isnan().all() and not out[1].isnan().any()
     # A row not stored yet (position 3 of a 3-token sequence) is invisible: its NaN reaches nobody.
     cache = _cache(codec, 1, 1, 4, capacity=40, exact_dtype=torch.float32)
-    _fill(gen, cache, (3,))
+    fill(gen, cache, (3,))
     cache.first_v[0, :, 3] = float("nan")
     assert not ta.cached_attention(q[:1, :, :3], cache, backend=backend).isnan().any()
 
@@ -146,7 +116,7 @@ def test_first_rows_and_window_covering_every_token_are_exact_attention(gen, bac
     d, b, hkv, tq, n = 64, 2, 2, 3, 13
     codec = ta.KVCodec(d, 2, 2)
     cache = _cache(codec, b, hkv, s_len, r_len, capacity=40, pad=[0, 2], exact_dtype=torch.float32)
-    ks, vs = _fill(gen, cache, (9, 4), shift=True)
+    ks, vs = fill(gen, cache, (9, 4), shift=True)
     if r_len:
         pos = torch.cat([first_positions(cache.layout), recent_positions(cache.layout)], 1)
         for row in pos:
@@ -173,7 +143,7 @@ def test_first_rows_and_window_covering_every_token_are_exact_attention(gen, bac
             err = float((got.double() - want).abs().max())
             assert err <= float32_attention_tolerance(q, keys, values), err
         else:
-            assert _rel(got, want) < FP16_TOL + 2 * 2.0**-11   # q, k, v also rounded to float16 here
+            assert rel(got, want) < FP16_TOL + 2 * 2.0**-11   # q, k, v also rounded to float16 here
 
 
 def test_first_off_is_todays_cache():
@@ -190,7 +160,7 @@ def test_first_rows_hold_the_first_tokens_exactly(gen):
     once it is stored, in the exact dtype; rows not stored yet are untouched (zero)."""
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 2, 2, 5, capacity=64, pad=[0, 3])
-    ks, vs = _fill(gen, cache, (2, 4, 1, 3), [[2, 1], [0, 3], [1, 0], [3, 3]])
+    ks, vs = fill(gen, cache, (2, 4, 1, 3), [[2, 1], [0, 3], [1, 0], [3, 3]])
     pos = first_positions(cache.layout)
     for s, start in enumerate((0, 3)):
         n = len(ks[s])
@@ -217,7 +187,7 @@ def test_options_are_checked(gen):
     assert cache.exact_first_nbytes == 2 * 3 * 64 * 2
     assert "exact_recent=2, exact_first=3 (bfloat16)" in repr(cache)
     cache.set_left_padding([1])   # empty: fine
-    _fill(gen, cache, (2,))
+    fill(gen, cache, (2,))
     with pytest.raises(ValueError, match="empty"):
         cache.set_left_padding([0])
     cache.reset()
@@ -229,13 +199,13 @@ def test_crop_below_the_first_tokens_hides_their_rows_until_appended_again(gen):
     appending again writes them, and the cache then equals one filled with those tokens directly."""
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 2, 1, 6, 3, capacity=40, pad=[0, 2], exact_dtype=torch.float32)
-    _fill(gen, cache, (12,))
+    fill(gen, cache, (12,))
     cache.crop(4)
     assert first_positions(cache.layout).tolist() == [[0, 1, 2, 3, -1, -1], [2, 3, -1, -1, -1, -1]]
     assert torch.count_nonzero(cache.first_k[0, :, 4:]) == 0 and torch.count_nonzero(cache.first_k[1, :, 2:]) == 0
     q = torch.randn(2, 1, 1, 64, generator=gen)
     ref = cached_attention_naive(q, cache.layout, codec, compute_dtype=torch.float64)
-    assert _rel(ta.cached_attention(q, cache, backend="torch"), ref) < 1e-5
+    assert rel(ta.cached_attention(q, cache, backend="torch"), ref) < 1e-5
     k, v = torch.randn(2, 1, 8, 64, generator=gen), torch.randn(2, 1, 8, 64, generator=gen)
     cache.append(k, v, backend="torch")
     fresh = _cache(codec, 2, 1, 6, 3, capacity=40, pad=[0, 2], exact_dtype=torch.float32)
@@ -250,7 +220,7 @@ def test_batch_edits_reset_and_repeat(gen):
     codec = ta.KVCodec(64, 4, 4)
     for static in (False, True):
         cache = _cache(codec, 2, 1, 4, capacity=16, static=static)
-        _fill(gen, cache, (6,))
+        fill(gen, cache, (6,))
         rows = cache.first_k.clone()
         address = cache.first_k.data_ptr()
         cache.reorder_cache([1, 1])
@@ -267,9 +237,9 @@ def test_batch_edits_reset_and_repeat(gen):
 def test_growing_cache_keeps_the_first_rows_across_reserve(gen):
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 1, 1, 4, capacity=8, exact_dtype=torch.float32)
-    ks, _ = _fill(gen, cache, (3,))
+    ks, _ = fill(gen, cache, (3,))
     cache.reserve(32)
-    ks2, _ = _fill(gen, cache, (5,))
+    ks2, _ = fill(gen, cache, (5,))
     assert torch.equal(cache.first_k[0, :, 2], ks[0][2]) and torch.equal(cache.first_k[0, :, 3], ks2[0][0])
 
 
@@ -277,7 +247,7 @@ def test_growing_cache_keeps_the_first_rows_across_reserve(gen):
 def test_save_and_load_round_trip(gen, tmp_path, r_len):
     codec = ta.KVCodec(64, 4, 3)
     cache = _cache(codec, 2, 2, 4, r_len, capacity=30, pad=[1, 0])
-    _fill(gen, cache, (14,), shift=True)
+    fill(gen, cache, (14,), shift=True)
     cache.save(tmp_path / "c.safetensors")
     back = ta.QuantizedKVCache.load(tmp_path / "c.safetensors")
     assert back.exact_first == 4 and back.exact_recent == r_len and back.exact_dtype == torch.bfloat16
@@ -294,7 +264,7 @@ def test_files_without_first_tokens_keep_their_version(gen, tmp_path):
     codec = ta.KVCodec(64, 4, 3)
     for r_len, version in ((0, "1"), (3, "2")):
         cache = ta.QuantizedKVCache(codec, 1, 1, capacity=10, exact_recent=r_len)
-        _fill(gen, cache, (4,))
+        fill(gen, cache, (4,))
         cache.save(tmp_path / "old.safetensors")
         from safetensors import safe_open
         with safe_open(str(tmp_path / "old.safetensors"), "pt") as f:
@@ -312,28 +282,5 @@ def test_static_step_with_first_tokens_compiles_once(gen, backend):
     codec = ta.KVCodec(64, 4, 3)
     static = _cache(codec, 2, 2, 4, 3, capacity=64, static=True, exact_dtype=torch.float32)
     growing = _cache(codec, 2, 2, 4, 3, capacity=64, exact_dtype=torch.float32)
-    k, v = (torch.randn(2, 2, 20, 64, generator=gen) for _ in range(2))
-    for c in (static, growing):
-        c.append(k[:, :, :2], v[:, :, :2], backend="torch")
-
-    def step(q, k, v):
-        out = ta.cached_attention(q, static, k, v, backend=backend)
-        static.append(k, v, backend=backend)
-        return out
-
-    graphs = []
-
-    def count(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend=count, fullgraph=True)
-    for s in range(2, 10 if backend == "torch" else 7):
-        q = torch.randn(2, 4, 1, 64, generator=gen)
-        got = compiled(q, k[:, :, s:s + 1], v[:, :, s:s + 1])
-        want = ta.cached_attention(q, growing, k[:, :, s:s + 1], v[:, :, s:s + 1], backend="torch")
-        growing.append(k[:, :, s:s + 1], v[:, :, s:s + 1], backend="torch")
-        assert _rel(got, want) < (FP16_TOL if backend == "triton" else 1e-5), s
-    assert len(graphs) == 1
+    k = check_static_step_compiles_once(gen, static, growing, 2, 8 if backend == "torch" else 5, backend)
     assert torch.equal(static.first_k, growing.first_k) and torch.equal(static.first_k[:, :, :4], k[:, :, :4])

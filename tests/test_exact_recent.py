@@ -4,8 +4,6 @@ K/V, the cache's state operations, persistence and a compiled static step."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,41 +11,13 @@ import turboattn as ta
 from turboattn.format.layout import recent_positions
 from turboattn.ops.cached.naive import cached_attention_naive
 
+from exact_cache import FP16_TOL, check_static_step_compiles_once, fill, needs_triton, rel
 from naive import float32_attention_tolerance, naive_attention
-
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(not INTERPRETER and not torch.cuda.is_available(),
-                                  reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
-# As in test_kernels_cached.py: float16 dot operands (rotated q, weights, centroids, the rotated exact rows), each
-# rounded to 2^-11 relative, and one more rounding for the float16 output.
-FP16_TOL = 4 * 2.0**-11 + 2.0**-11
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _cache(codec, b, hkv, r_len, window=None, capacity=64, **kw):
     return ta.QuantizedKVCache(codec, b, hkv, capacity=None if window else capacity, sliding_window=window,
                                exact_recent=r_len, **kw)
-
-
-def _fill(gen, cache, chunks, new_lengths=None, shift=False):
-    """Append random chunks (T tokens each); returns the real K/V per sequence as lists of [Hkv, D] rows."""
-    b, hkv, d = cache.batch_size, cache.num_kv_heads, cache.codec.head_dim
-    if shift:
-        cache.set_key_transform(torch.randn(b, hkv, d, generator=gen), torch.rand(b, hkv, d, generator=gen) + 0.5)
-    ks, vs = [[] for _ in range(b)], [[] for _ in range(b)]
-    for i, t in enumerate(chunks):
-        k = torch.randn(b, hkv, t, d, generator=gen) * 2
-        v = torch.randn(b, hkv, t, d, generator=gen)
-        n = new_lengths[i] if new_lengths else None
-        cache.append(k, v, new_lengths=n, backend="torch")
-        for s in range(b):
-            real = t if n is None else n[s]
-            ks[s] += list(k[s, :, :real].unbind(1))
-            vs[s] += list(v[s, :, :real].unbind(1))
-    return ks, vs
 
 
 # -- the Triton kernel against its PyTorch twin ------------------------------------------------------------
@@ -70,7 +40,7 @@ def test_kernel_matches_twin(gen, case):
     d, b, hkv = 64, 2, 2
     codec = ta.KVCodec(d, 4, 3)
     cache = _cache(codec, b, hkv, r_len, window, capacity=80, exact_dtype=torch.float32)
-    _fill(gen, cache, chunks, [[t, t // 2 + 1] for t in chunks] if ragged else None, shift)
+    fill(gen, cache, chunks, [[t, t // 2 + 1] for t in chunks] if ragged else None, shift)
     if pad is not None:
         cache.set_left_padding(pad)
     q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
@@ -81,7 +51,7 @@ def test_kernel_matches_twin(gen, case):
         for splits in (None, 3):
             out = ta.cached_attention(q, cache, k, v, backend="triton", num_splits=splits)
             ref = cached_attention_naive(q, cache.layout, codec, k, v, compute_dtype=torch.float64)
-            assert _rel(out, ref) < FP16_TOL, (fresh, splits, _rel(out, ref))
+            assert rel(out, ref) < FP16_TOL, (fresh, splits, rel(out, ref))
 
 
 @needs_triton
@@ -89,7 +59,7 @@ def test_kernel_reads_the_window_not_the_codes(gen):
     """Spoiling the codes of the window's positions changes nothing; spoiling the window's rows does."""
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 1, 2, 8, capacity=40, exact_dtype=torch.float32)
-    _fill(gen, cache, (30,))
+    fill(gen, cache, (30,))
     q = torch.randn(1, 2, 1, 64, generator=gen).half()
     before = ta.cached_attention(q, cache, backend="triton")
     cache.k_codes[:, :, 22:30] = 0xFF
@@ -103,19 +73,19 @@ def test_kernel_reads_the_window_not_the_codes(gen):
 def test_kernel_head_dim_512_rotates_the_window_on_the_host(gen):
     codec = ta.KVCodec(512, 4, 4)
     cache = _cache(codec, 1, 1, 5, capacity=40)   # exact_dtype bfloat16, the default
-    _fill(gen, cache, (20,), shift=True)
+    fill(gen, cache, (20,), shift=True)
     q = torch.randn(1, 2, 2, 512, generator=gen).half()
     k, v = (torch.randn(1, 1, 2, 512, generator=gen).half() for _ in range(2))
     out = ta.cached_attention(q, cache, k, v, backend="triton")
     ref = cached_attention_naive(q, cache.layout, codec, k, v, compute_dtype=torch.float64)
-    assert _rel(out, ref) < FP16_TOL
+    assert rel(out, ref) < FP16_TOL
 
 
 @needs_triton
 def test_nonfinite_window_row_reaches_exactly_the_queries_that_see_it(gen):
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 2, 1, 4, capacity=40, exact_dtype=torch.float32)
-    _fill(gen, cache, (20,))
+    fill(gen, cache, (20,))
     cache.recent_k[0, :, 18 % 4, 5] = float("nan")   # position 18 of sequence 0
     q = torch.randn(2, 1, 3, 64, generator=gen).half()
     for backend in ("torch", "triton"):
@@ -132,7 +102,7 @@ def test_a_window_covering_every_token_is_exact_attention(gen, backend, window):
     d, b, hkv, tq = 64, 2, 2, 3
     codec = ta.KVCodec(d, 2, 2)   # coarse codes: reading any of them would show
     cache = _cache(codec, b, hkv, 16, window, capacity=40, exact_dtype=torch.float32)
-    ks, vs = _fill(gen, cache, (9, 4), shift=True)
+    ks, vs = fill(gen, cache, (9, 4), shift=True)
     cache.set_left_padding([0, 2])
     q = torch.randn(b, hkv * 2, tq, d, generator=gen)
     kf, vf = (torch.randn(b, hkv, tq, d, generator=gen) for _ in range(2))
@@ -156,7 +126,7 @@ def test_a_window_covering_every_token_is_exact_attention(gen, backend, window):
             err = float((got.double() - want).abs().max())
             assert err <= float32_attention_tolerance(q, keys, values), err
         else:
-            assert _rel(got, want) < FP16_TOL + 2 * 2.0**-11   # q, k, v also rounded to float16 here
+            assert rel(got, want) < FP16_TOL + 2 * 2.0**-11   # q, k, v also rounded to float16 here
 
 
 def test_window_off_is_todays_cache(gen):
@@ -174,7 +144,7 @@ def test_window_rows_hold_the_newest_tokens_exactly(gen):
     codec = ta.KVCodec(64, 4, 4)
     for window in (None, 11):
         cache = _cache(codec, 2, 2, 5, window, capacity=64)
-        ks, vs = _fill(gen, cache, (3, 9, 1, 4, 2), [None, [9, 2], [1, 0], [4, 4], [0, 2]])
+        ks, vs = fill(gen, cache, (3, 9, 1, 4, 2), [None, [9, 2], [1, 0], [4, 4], [0, 2]])
         pos = recent_positions(cache.layout)
         for s in range(2):
             n = len(ks[s])
@@ -206,7 +176,7 @@ def test_options_are_checked():
 def test_crop_refills_overwritten_rows_from_the_codes(gen):
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 2, 1, 8, capacity=40, exact_dtype=torch.float32)
-    ks, _ = _fill(gen, cache, (20,))
+    ks, _ = fill(gen, cache, (20,))
     k_hat, _ = cache.dequantize()
     cache.crop(-3)   # window now [9, 17): 12..16 still exact, 9..11 were overwritten by 17..19
     pos = recent_positions(cache.layout)
@@ -216,7 +186,7 @@ def test_crop_refills_overwritten_rows_from_the_codes(gen):
         assert torch.equal(cache.recent_k[0, :, r], want), p
     q = torch.randn(2, 1, 1, 64, generator=gen)
     ref = cached_attention_naive(q, cache.layout, codec, compute_dtype=torch.float64)
-    assert _rel(ta.cached_attention(q, cache, backend="torch"), ref) < 1e-5
+    assert rel(ta.cached_attention(q, cache, backend="torch"), ref) < 1e-5
     cache.crop(2)    # fewer tokens than R: the rows without a position are zeroed, as in a fresh cache
     assert (recent_positions(cache.layout)[0] >= 0).sum() == 2
     assert torch.count_nonzero(cache.recent_k[:, :, [r for r in range(8) if r not in (0, 1)]]) == 0
@@ -225,7 +195,7 @@ def test_crop_refills_overwritten_rows_from_the_codes(gen):
 def test_crop_of_a_wrapped_ring_keeps_it_consistent(gen):
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 1, 1, 4, window=6, exact_dtype=torch.float32)
-    ks, _ = _fill(gen, cache, (10,))
+    ks, _ = fill(gen, cache, (10,))
     k_hat, _ = cache.dequantize()
     cache.crop(-1)   # window [5, 9): 6..8 exact, 5 from the ring's slot 5 % 6
     r5 = 5 % 4
@@ -238,7 +208,7 @@ def test_batch_edits_reset_and_repeat(gen):
     codec = ta.KVCodec(64, 4, 4)
     for static in (False, True):
         cache = _cache(codec, 2, 1, 4, capacity=16, static=static)
-        _fill(gen, cache, (6,))
+        fill(gen, cache, (6,))
         rows = cache.recent_k.clone()
         address = cache.recent_k.data_ptr()
         cache.reorder_cache([1, 1])
@@ -255,9 +225,9 @@ def test_batch_edits_reset_and_repeat(gen):
 def test_growing_cache_keeps_the_window_across_reserve(gen):
     codec = ta.KVCodec(64, 4, 4)
     cache = _cache(codec, 1, 1, 4, capacity=8, exact_dtype=torch.float32)
-    ks, _ = _fill(gen, cache, (7,))
+    ks, _ = fill(gen, cache, (7,))
     cache.reserve(32)
-    _fill(gen, cache, (1,))
+    fill(gen, cache, (1,))
     assert torch.equal(cache.recent_k[0, :, 6 % 4], ks[0][6])
 
 
@@ -265,7 +235,7 @@ def test_growing_cache_keeps_the_window_across_reserve(gen):
 def test_save_and_load_round_trip(gen, tmp_path, window):
     codec = ta.KVCodec(64, 4, 3)
     cache = _cache(codec, 2, 2, 5, window, capacity=30)
-    _fill(gen, cache, (14,), shift=True)
+    fill(gen, cache, (14,), shift=True)
     cache.save(tmp_path / "c.safetensors")
     back = ta.QuantizedKVCache.load(tmp_path / "c.safetensors")
     assert back.exact_recent == 5 and back.exact_dtype == torch.bfloat16
@@ -280,7 +250,7 @@ def test_save_and_load_round_trip(gen, tmp_path, window):
 def test_a_file_without_a_window_still_loads(gen, tmp_path):
     codec = ta.KVCodec(64, 4, 3)
     cache = ta.QuantizedKVCache(codec, 1, 1, capacity=10)
-    _fill(gen, cache, (4,))
+    fill(gen, cache, (4,))
     cache.save(tmp_path / "old.safetensors")
     from safetensors import safe_open
     with safe_open(str(tmp_path / "old.safetensors"), "pt") as f:
@@ -298,28 +268,5 @@ def test_static_step_with_window_compiles_once(gen, backend):
     codec = ta.KVCodec(64, 4, 3)
     static = _cache(codec, 2, 2, 6, capacity=64, static=True, exact_dtype=torch.float32)
     growing = _cache(codec, 2, 2, 6, capacity=64, exact_dtype=torch.float32)
-    k, v = (torch.randn(2, 2, 20, 64, generator=gen) for _ in range(2))
-    for c in (static, growing):
-        c.append(k[:, :, :4], v[:, :, :4], backend="torch")
-
-    def step(q, k, v):
-        out = ta.cached_attention(q, static, k, v, backend=backend)
-        static.append(k, v, backend=backend)
-        return out
-
-    graphs = []
-
-    def count(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend=count, fullgraph=True)
-    for s in range(4, 12 if backend == "torch" else 8):
-        q = torch.randn(2, 4, 1, 64, generator=gen)
-        got = compiled(q, k[:, :, s:s + 1], v[:, :, s:s + 1])
-        want = ta.cached_attention(q, growing, k[:, :, s:s + 1], v[:, :, s:s + 1], backend="torch")
-        growing.append(k[:, :, s:s + 1], v[:, :, s:s + 1], backend="torch")
-        assert _rel(got, want) < (FP16_TOL if backend == "triton" else 1e-5), s
-    assert len(graphs) == 1
+    check_static_step_compiles_once(gen, static, growing, 4, 8 if backend == "torch" else 4, backend)
     assert torch.equal(static.recent_k, growing.recent_k)
