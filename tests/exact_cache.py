@@ -1,5 +1,6 @@
 """What the tests of the exact cache options (tests/test_exact_recent.py, tests/test_exact_first.py) share: the
-kernel tolerance, filling a cache with random chunks, and the compiled static step."""
+kernel tolerance and its comparison with the twin, filling a cache with random chunks, batch edits, and the
+compiled static step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import turboattn as ta
+from turboattn.ops.cached.naive import cached_attention_naive
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not INTERPRETER and not torch.cuda.is_available(),
@@ -69,3 +71,38 @@ def check_static_step_compiles_once(gen, static, growing, prompt, steps, backend
         assert rel(got, want) < (FP16_TOL if backend == "triton" else 1e-5), s
     assert len(graphs) == 1
     return k
+
+
+def check_batch_edits_follow(gen, make_cache, k_name, v_name):
+    """Beam reorder, batch select, repeat and reset carry the exact rows `k_name`, `v_name` along with the
+    sequences (a static cache in place), for a growing and a static cache of 2 sequences, 1 KV head, D = 64."""
+    for static in (False, True):
+        cache = make_cache(static)
+        fill(gen, cache, (6,))
+        rows = getattr(cache, k_name).clone()
+        address = getattr(cache, k_name).data_ptr()
+        cache.reorder_cache([1, 1])
+        assert torch.equal(getattr(cache, k_name), rows[[1, 1]])
+        assert getattr(cache, k_name).data_ptr() == address or not static   # a static cache permutes in place
+        cache.batch_select_indices([0])
+        assert getattr(cache, k_name).shape == (1, *rows.shape[1:]) and torch.equal(getattr(cache, k_name), rows[[1]])
+        cache.batch_repeat_interleave(3)
+        kept = getattr(cache, v_name)
+        assert torch.equal(kept, kept[[0, 0, 0]]) and kept.shape[0] == 3
+        cache.reset()
+        assert torch.count_nonzero(getattr(cache, k_name)) == 0 and torch.count_nonzero(getattr(cache, v_name)) == 0
+
+
+def check_kernel_matches_twin(gen, cache, group, tq):
+    """The Triton kernel against the PyTorch twin (float64) on `cache`, without and with fresh k/v, with the
+    planned split count and with 3 splits."""
+    b, hkv, d = cache.batch_size, cache.num_kv_heads, cache.codec.head_dim
+    q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
+    kf = torch.randn(b, hkv, tq, d, generator=gen).half()
+    vf = torch.randn(b, hkv, tq, d, generator=gen).half()
+    for fresh in (False, True):
+        k, v = (kf, vf) if fresh else (None, None)
+        for splits in (None, 3):
+            out = ta.cached_attention(q, cache, k, v, backend="triton", num_splits=splits)
+            ref = cached_attention_naive(q, cache.layout, cache.codec, k, v, compute_dtype=torch.float64)
+            assert rel(out, ref) < FP16_TOL, (fresh, splits, rel(out, ref))

@@ -12,7 +12,8 @@ import turboattn as ta
 from turboattn.format.layout import first_positions, recent_positions
 from turboattn.ops.cached.naive import cached_attention_naive
 
-from exact_cache import FP16_TOL, check_static_step_compiles_once, fill, needs_triton, rel
+from exact_cache import (FP16_TOL, check_batch_edits_follow, check_kernel_matches_twin,
+                         check_static_step_compiles_once, fill, needs_triton, rel)
 from naive import float32_attention_tolerance, naive_attention
 
 
@@ -45,15 +46,7 @@ def test_kernel_matches_twin(gen, case):
     codec = ta.KVCodec(d, 4, 3)
     cache = _cache(codec, b, hkv, s_len, r_len, capacity=80, pad=pad, exact_dtype=torch.float32)
     fill(gen, cache, chunks, [[t, t // 2 + 1] for t in chunks] if ragged else None, shift)
-    q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
-    kf = torch.randn(b, hkv, tq, d, generator=gen).half()
-    vf = torch.randn(b, hkv, tq, d, generator=gen).half()
-    for fresh in (False, True):
-        k, v = (kf, vf) if fresh else (None, None)
-        for splits in (None, 3):
-            out = ta.cached_attention(q, cache, k, v, backend="triton", num_splits=splits)
-            ref = cached_attention_naive(q, cache.layout, codec, k, v, compute_dtype=torch.float64)
-            assert rel(out, ref) < FP16_TOL, (fresh, splits, rel(out, ref))
+    check_kernel_matches_twin(gen, cache, group, tq)
 
 
 @needs_triton
@@ -218,20 +211,7 @@ def test_crop_below_the_first_tokens_hides_their_rows_until_appended_again(gen):
 
 def test_batch_edits_reset_and_repeat(gen):
     codec = ta.KVCodec(64, 4, 4)
-    for static in (False, True):
-        cache = _cache(codec, 2, 1, 4, capacity=16, static=static)
-        fill(gen, cache, (6,))
-        rows = cache.first_k.clone()
-        address = cache.first_k.data_ptr()
-        cache.reorder_cache([1, 1])
-        assert torch.equal(cache.first_k, rows[[1, 1]])
-        assert cache.first_k.data_ptr() == address or not static   # a static cache permutes in place
-        cache.batch_select_indices([0])
-        assert cache.first_k.shape == (1, 1, 4, 64) and torch.equal(cache.first_k, rows[[1]])
-        cache.batch_repeat_interleave(3)
-        assert torch.equal(cache.first_v, cache.first_v[[0, 0, 0]]) and cache.first_v.shape[0] == 3
-        cache.reset()
-        assert torch.count_nonzero(cache.first_k) == 0 and torch.count_nonzero(cache.first_v) == 0
+    check_batch_edits_follow(gen, lambda static: _cache(codec, 2, 1, 4, capacity=16, static=static), "first_k", "first_v")
 
 
 def test_growing_cache_keeps_the_first_rows_across_reserve(gen):

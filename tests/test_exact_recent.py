@@ -11,7 +11,8 @@ import turboattn as ta
 from turboattn.format.layout import recent_positions
 from turboattn.ops.cached.naive import cached_attention_naive
 
-from exact_cache import FP16_TOL, check_static_step_compiles_once, fill, needs_triton, rel
+from exact_cache import (FP16_TOL, check_batch_edits_follow, check_kernel_matches_twin,
+                         check_static_step_compiles_once, fill, needs_triton, rel)
 from naive import float32_attention_tolerance, naive_attention
 
 
@@ -43,15 +44,7 @@ def test_kernel_matches_twin(gen, case):
     fill(gen, cache, chunks, [[t, t // 2 + 1] for t in chunks] if ragged else None, shift)
     if pad is not None:
         cache.set_left_padding(pad)
-    q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
-    kf = torch.randn(b, hkv, tq, d, generator=gen).half()
-    vf = torch.randn(b, hkv, tq, d, generator=gen).half()
-    for fresh in (False, True):
-        k, v = (kf, vf) if fresh else (None, None)
-        for splits in (None, 3):
-            out = ta.cached_attention(q, cache, k, v, backend="triton", num_splits=splits)
-            ref = cached_attention_naive(q, cache.layout, codec, k, v, compute_dtype=torch.float64)
-            assert rel(out, ref) < FP16_TOL, (fresh, splits, rel(out, ref))
+    check_kernel_matches_twin(gen, cache, group, tq)
 
 
 @needs_triton
@@ -206,20 +199,7 @@ def test_crop_of_a_wrapped_ring_keeps_it_consistent(gen):
 
 def test_batch_edits_reset_and_repeat(gen):
     codec = ta.KVCodec(64, 4, 4)
-    for static in (False, True):
-        cache = _cache(codec, 2, 1, 4, capacity=16, static=static)
-        fill(gen, cache, (6,))
-        rows = cache.recent_k.clone()
-        address = cache.recent_k.data_ptr()
-        cache.reorder_cache([1, 1])
-        assert torch.equal(cache.recent_k, rows[[1, 1]])
-        assert cache.recent_k.data_ptr() == address or not static   # a static cache permutes in place
-        cache.batch_select_indices([0])
-        assert cache.recent_k.shape == (1, 1, 5, 64) and torch.equal(cache.recent_k, rows[[1]])
-        cache.batch_repeat_interleave(3)
-        assert torch.equal(cache.recent_v, cache.recent_v[[0, 0, 0]]) and cache.recent_v.shape[0] == 3
-        cache.reset()
-        assert torch.count_nonzero(cache.recent_k) == 0 and torch.count_nonzero(cache.recent_v) == 0
+    check_batch_edits_follow(gen, lambda static: _cache(codec, 2, 1, 4, capacity=16, static=static), "recent_k", "recent_v")
 
 
 def test_growing_cache_keeps_the_window_across_reserve(gen):
