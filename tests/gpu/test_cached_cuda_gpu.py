@@ -1,4 +1,5 @@
-"""The CUDA decode kernel (ops/cached/cuda.py, 4-bit K/V at head_dim 64/128/256) against the float64 reference (pytest -m gpu).
+"""The CUDA decode kernel (ops/cached/cuda.py, 2/4/8-bit K/V at head_dim 64/128/256) against the float64 reference
+(pytest -m gpu).
 
 backend="auto" picks it on CUDA tensors; backend="triton" forces the portable kernel, which serves as a
 second reference.  Same tolerance as the Triton kernel (test_kernels_gpu.py): fp16 operands and bf16 output.
@@ -11,6 +12,7 @@ import turboattn as ta
 from turboattn.format.key_transform import fit_key_transform
 from turboattn.ops import backend
 from turboattn.ops.cached import cuda
+from turboattn.ops.cached.config import CUDA_BITS, CUDA_HEAD_DIMS, cuda_ctas_per_sm
 from turboattn.ops.cached.naive import cached_attention_naive
 
 from gpu_decode_inputs import decode_inputs, poison_allocator, rel_error
@@ -44,6 +46,12 @@ def test_the_extension_builds():
 HEAD_DIM_CASES = [(d, CASES[i]) for d in (64, 256) for i in (0, 1, 2, 4, 7, 8)]
 
 
+# Every bit pair at every head dim: the per-width fragment code (KeyCodes, ValueCodes, CodeTable), two tables
+# where the widths differ, and the tail load of 2-bit values at D = 64 (2 bytes per lane).
+BIT_PAIRS = [(kb, vb) for kb in CUDA_BITS for vb in CUDA_BITS if (kb, vb) != (4, 4)]
+BITS_CASES = [(d, bits, CASES[i]) for d in CUDA_HEAD_DIMS for bits in BIT_PAIRS for i in ((1, 7) if d == 128 else (8,))]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_cuda_decode_matches_reference(case):
     _check_against_reference(case, 128)
@@ -54,10 +62,24 @@ def test_cuda_decode_other_head_dims(d, case):
     _check_against_reference(case, d)
 
 
-def _check_against_reference(case, d):
+@pytest.mark.parametrize("d,bits,case", BITS_CASES, ids=[f"D{d}-k{b[0]}v{b[1]}-{c}" for d, b, c in BITS_CASES])
+def test_cuda_decode_other_bit_widths(d, bits, case):
+    _check_against_reference(case, d, bits)
+
+
+def test_planned_residency_matches_the_launch_bound():
+    """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound)."""
+    ext = cuda._extension()
+    for d in CUDA_HEAD_DIMS:
+        for kb in CUDA_BITS:
+            for vb in CUDA_BITS:
+                assert cuda_ctas_per_sm(d, kb, vb) == ext.ctas_per_sm(d, kb, vb), (d, kb, vb)
+
+
+def _check_against_reference(case, d, bits=(4, 4)):
     b, hkv, g, length, window, tq, fresh, softcap, with_sinks, fit, splits = case
-    torch.manual_seed(hash((case, d)) % 2**31)
-    codec = ta.KVCodec(d, 4, 4)
+    torch.manual_seed(hash((case, d, bits)) % 2**31)
+    codec = ta.KVCodec(d, *bits)
     cache = ta.QuantizedKVCache(codec, b, hkv, capacity=None if window else length + tq, sliding_window=window,
                                 device="cuda")
     first = torch.randn(b, hkv, length // 3, d, device="cuda", dtype=torch.bfloat16) + 0.5

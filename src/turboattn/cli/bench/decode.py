@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import KVCodec, QuantizedKVCache, cached_attention
+from ..args import presets
 from .args import add_out
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
                      time_us_graph, write_results)
@@ -19,13 +20,16 @@ from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, r
 # B, Hq, Hkv, D, L — the shapes of the issue.
 SHAPES = [(1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768), (32, 32, 8, 128, 8192),
           (8, 16, 8, 256, 8192), (8, 9, 3, 64, 16384), (1, 16, 2, 512, 32768)]
-BITS = [(4, 4), (8, 8)]
+BITS = "k4v4,k8v8"
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)  # context lengths for the plot, at B=8 Hq=32 Hkv=8 D=128
 
 
 def add_arguments(parser) -> None:
     add_out(parser)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and context lengths")
+    parser.add_argument("--bits", type=presets, default=presets(BITS),
+                        help="bit pairs to measure at every shape; the context sweep takes "
+                             "the first two")
 
 
 def fill_cache(codec, b, hkv, length, device, capacity=None) -> QuantizedKVCache:
@@ -72,11 +76,11 @@ def run(args) -> int:
     copy_tbs = copy_bandwidth_tbs()
     results = []
     shapes = SHAPES[:2] if args.quick else SHAPES
-    for bits in BITS:
+    for bits in args.bits:
         for shape in shapes:
             results.append(measure(shape, bits, copy_tbs, device))
     sweep = []
-    for bits in BITS:
+    for bits in args.bits[:2]:
         for length in (SWEEP[::2] if args.quick else SWEEP):
             sweep.append(measure((8, 32, 8, 128, length), bits, copy_tbs, device))
     env = environment()
@@ -88,7 +92,7 @@ def run(args) -> int:
     print_table(f"decode, {env['gpu']}, copy bandwidth {copy_tbs:.2f} TB/s (read+write)", cols, rows)
     write_results(args.out, "decode", {"env": env, "copy_tbs": copy_tbs, "shapes": results, "sweep": sweep})
     series = {}
-    for bits in BITS:
+    for bits in args.bits[:2]:
         pts = [r for r in sweep if (r["k_bits"], r["v_bits"]) == bits]
         series[f"k{bits[0]}v{bits[1]}"] = ([r["L"] for r in pts], [r["speedup"] for r in pts])
     plot_lines(args.out, "decode", series, "context length (tokens)", "speedup over SDPA bf16",

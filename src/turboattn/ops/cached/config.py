@@ -22,10 +22,9 @@ LOOKUPS = ("gather", "lut")
 PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 1024
 
-# The CUDA kernel (cuda.py): 4-bit K and V at these head dims, at most 8 query rows per KV head (the MMA's
-# N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  CTAs per SM its registers allow, by head dim
-# (csrc/decode_k4.cu; BENCHMARKS.md: 2 beat 3 at D = 256).  Its split rule: one wave of resident CTAs (a
-# second wave measured slower: each CTA builds its table and rotates q), splits of at least
+# The CUDA kernel (cuda.py): K and V codes of 2, 4 or 8 bits each at these head dims, at most 8 query rows per KV
+# head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule: one wave of
+# resident CTAs (a second wave measured slower: each CTA builds its tables and rotates q), splits of at least
 # CUDA_MIN_KEYS_PER_SPLIT keys.
 CUDA_HEAD_DIMS = (64, 128, 256)
 # The Triton kernels of the compressed cache (cached attention, quantize-append) tile the head dim with
@@ -40,15 +39,29 @@ def check_kernel_head_dim(op: str, head_dim: int) -> None:
     if head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(f"the Triton {op} kernel serves head_dim in {TRITON_HEAD_DIMS}, got head_dim={head_dim}; "
                          "use backend='torch' (or 'auto')")
+CUDA_BITS = (2, 4, 8)
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
-CUDA_CTAS_PER_SM = {64: 4, 128: 4, 256: 2}
 CUDA_MIN_KEYS_PER_SPLIT = 512
 
 
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
     """Whether the CUDA kernel covers a call of this shape (the device check is cuda.py's)."""
-    return head_dim in CUDA_HEAD_DIMS and k_bits == 4 and v_bits == 4 and query_rows <= CUDA_MAX_ROWS
+    return (head_dim in CUDA_HEAD_DIMS and k_bits in CUDA_BITS and v_bits in CUDA_BITS
+            and query_rows <= CUDA_MAX_ROWS)
+
+
+def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
+    """CTAs per SM the CUDA kernel of this shape is built for: ctas_per_sm in csrc/decode.cuh, which is the
+    truth (its launch bound); a GPU test checks that the two agree.  Shared memory: one 32 KB byte -> fp16 table
+    per distinct bit width (64 KB for 2 bits), the static arrays and 1 KB reserved, out of 228 KB.  Registers:
+    4 CTAs (128 per thread) for k4v4 / k2v2 at D <= 128, 3 for other pairs, 2 at D = 256 (BENCHMARKS.md)."""
+    table = {2: 64 * 1024, 4: 32 * 1024, 8: 32 * 1024}
+    tables = table[k_bits] + (0 if k_bits == v_bits else table[v_bits])
+    static = 4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if head_dim >= 256 else 0) + 2048
+    by_smem = 228 * 1024 // (tables + static + 1024)
+    by_regs = 2 if head_dim >= 256 else (4 if k_bits == v_bits and k_bits <= 4 else 3)
+    return min(by_smem, by_regs)
 
 
 def cuda_kernel_reads(scale_dtype: torch.dtype, exact_recent: int, exact_first: int) -> bool:
@@ -108,7 +121,7 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
     block_m = 16 if query_rows <= 16 else 64
     block_n, num_warps, num_stages = _tile(head_dim)
     if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
-        resident = (programs_per_sm or CUDA_CTAS_PER_SM[head_dim]) * sm_count(device)
+        resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
         num_splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT))
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)

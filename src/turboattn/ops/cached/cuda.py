@@ -1,4 +1,5 @@
-"""The CUDA fast path of cached attention: 4-bit K and V at head_dim 64/128/256 on tensor cores (csrc/decode_k4.cu).
+"""The CUDA fast path of cached attention: 2, 4 or 8-bit K and V at head_dim 64/128/256 on tensor cores
+(csrc/decode.cuh).
 
 One launch covers the cache splits and their merge: the last CTA of each sequence x KV head attends the
 fresh k/v tokens (when given) in full precision, merges them with the splits, adds the sinks, rotates back
@@ -20,8 +21,7 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from .config import (CUDA_CTAS_PER_SM, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_reads, cuda_kernel_serves,
-                     plan_decode)
+from .config import CUDA_HEAD_DIMS, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_reads, cuda_kernel_serves, plan_decode
 from .triton import cached_attention_triton, part_buffers, query_scale
 
 CSRC = Path(__file__).with_name("csrc")
@@ -33,7 +33,9 @@ def _extension():
     """The compiled kernel module, or None (with a one-time warning) when it cannot be built here."""
     from torch.utils.cpp_extension import load
     try:
-        return load(name="turboattn_decode_k4", sources=[str(CSRC / "binding.cpp"), str(CSRC / "decode_k4.cu")],
+        # One translation unit per head dim: ninja builds them in parallel.
+        sources = [CSRC / "binding.cpp"] + [CSRC / f"decode_d{d}.cu" for d in CUDA_HEAD_DIMS]
+        return load(name="turboattn_decode", sources=[str(x) for x in sources],
                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_80,code=sm_80",
                                        "-gencode=arch=compute_90,code=sm_90"],
                     extra_include_paths=[str(CSRC)], verbose=False)
@@ -106,9 +108,9 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     counters = layout.merge_counters if layout.merge_counters is not None else _counters(dev, b * hkv)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    ext.decode_k4(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-                  layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
-                  device_centroids(4, dev, torch.float32), o_part, lse_part, float(q_scale), float(softcap or 0.0),
-                  layout.sliding_window or 0, plan.num_splits, plan.num_splits, layout.is_ring, k is not None,
-                  CHUNK_ALIGN, CUDA_CTAS_PER_SM[d], counters, out, sinks, k, v, key_shift)
+    ext.decode(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
+               layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
+               device_centroids(codec.k_bits, dev, torch.float32), device_centroids(codec.v_bits, dev, torch.float32),
+               o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0, plan.num_splits,
+               plan.num_splits, layout.is_ring, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift)
     return out

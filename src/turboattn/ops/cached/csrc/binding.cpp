@@ -4,17 +4,19 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include "decode_k4.h"
+#include <cmath>
 
-void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
-               const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
-               const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv, const torch::Tensor& signs,
-               const torch::Tensor& centroids, torch::Tensor& o_part, torch::Tensor& lse_part, double q_scale,
-               double softcap, int64_t window, int64_t num_splits, int64_t num_parts, bool ring, bool has_fresh,
-               int64_t chunk_align, int64_t min_blocks, const c10::optional<torch::Tensor>& counters,
-               const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& sinks,
-               const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new,
-               const c10::optional<torch::Tensor>& key_shift) {
+#include "decode.h"
+
+void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
+            const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
+            const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv, const torch::Tensor& signs,
+            const torch::Tensor& k_centroids, const torch::Tensor& v_centroids, torch::Tensor& o_part,
+            torch::Tensor& lse_part, double q_scale, double softcap, int64_t window, int64_t num_splits,
+            int64_t num_parts, bool ring, bool has_fresh, int64_t chunk_align,
+            const c10::optional<torch::Tensor>& counters, const c10::optional<torch::Tensor>& out,
+            const c10::optional<torch::Tensor>& sinks, const c10::optional<torch::Tensor>& k_new,
+            const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& key_shift) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -29,7 +31,8 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
   p.starts = starts.data_ptr<int>();
   p.gain_inv = gain_inv.has_value() ? gain_inv->data_ptr<float>() : nullptr;
   p.signs = signs.data_ptr<float>();
-  p.centroids = centroids.data_ptr<float>();
+  p.k_centroids = k_centroids.data_ptr<float>();
+  p.v_centroids = v_centroids.data_ptr<float>();
   p.o_part = o_part.data_ptr<float>();
   p.lse_part = lse_part.data_ptr<float>();
   p.counters = counters.has_value() ? counters->data_ptr<int>() : nullptr;
@@ -55,10 +58,29 @@ void decode_k4(const torch::Tensor& q, const torch::Tensor& k_codes, const torch
   p.ring = ring;
   p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
+  // The codebooks give the bit widths (2^bits centroids each).
+  const int k_bits = static_cast<int>(std::log2(k_centroids.numel()));
+  const int v_bits = static_cast<int>(std::log2(v_centroids.numel()));
   const c10::cuda::CUDAGuard guard(q.device());
-  const int err = launch_decode_k4(p, q.size(3), num_splits, k_codes.size(0) * k_codes.size(1), min_blocks,
-                                        at::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == 0, "turboattn decode_k4 launch failed: CUDA error ", err);
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  const int batch_kv_heads = k_codes.size(0) * k_codes.size(1);
+  const int head_dim = q.size(3);
+  int err = -1;
+  if (head_dim == 64) err = launch_decode_d64(p, k_bits, v_bits, num_splits, batch_kv_heads, stream);
+  else if (head_dim == 128) err = launch_decode_d128(p, k_bits, v_bits, num_splits, batch_kv_heads, stream);
+  else if (head_dim == 256) err = launch_decode_d256(p, k_bits, v_bits, num_splits, batch_kv_heads, stream);
+  TORCH_CHECK(err != -1, "turboattn decode: no kernel for head_dim ", head_dim, ", k_bits ", k_bits, ", v_bits ", v_bits);
+  TORCH_CHECK(err == 0, "turboattn decode launch failed: CUDA error ", err);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_k4", &decode_k4, "split-K decode, 4-bit K/V, D = 64 / 128 / 256"); }
+int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
+  if (head_dim == 64) return ctas_per_sm_d64(k_bits, v_bits);
+  if (head_dim == 128) return ctas_per_sm_d128(k_bits, v_bits);
+  if (head_dim == 256) return ctas_per_sm_d256(k_bits, v_bits);
+  return -1;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode, "split-K decode over 2/4/8-bit K and V codes, D = 64 / 128 / 256");
+  m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
+}

@@ -1,4 +1,4 @@
-// Parameters of the 4-bit split-K decode kernel (decode_k4.cu); plain data, shared with the binding.
+// Parameters of the split-K decode kernel (decode.cuh); plain data, shared with the binding.
 #pragma once
 #include <stdint.h>
 
@@ -16,7 +16,8 @@ struct DecodeParams {
   const int* starts;
   const float* gain_inv;  // [B, Hkv, D] or nullptr
   const float* signs;     // [D]
-  const float* centroids; // [16]
+  const float* k_centroids;  // [2^k_bits] float32, the K codebook
+  const float* v_centroids;  // [2^v_bits]
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
   // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges the num_parts cache parts
@@ -36,7 +37,16 @@ struct DecodeParams {
 
 }  // namespace turboattn
 
-// Launches decode_k4<head_dim> (64, 128 or 256) on `stream` (a cudaStream_t); returns the CUDA error code (0: none).
-// min_blocks: CTAs per SM the register allocation must allow (1-5; 4 caps it at 128 registers).
-int launch_decode_k4(const turboattn::DecodeParams& params, int head_dim, int num_splits, int batch_kv_heads,
-                     int min_blocks, void* stream);
+// Launch decode<D, k_bits, v_bits> (D = 64, 128, 256 by the function's name; bits 2, 4 or 8 each) on `stream`
+// (a cudaStream_t): the CUDA error code (0: none), or -1 for a bit width the kernel does not have.  One per head
+// dim, each in its own translation unit (decode_d*.cu) so that nvcc builds them in parallel.
+int launch_decode_d64(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
+                      int batch_kv_heads, void* stream);
+int launch_decode_d128(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
+                       int batch_kv_heads, void* stream);
+int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
+                       int batch_kv_heads, void* stream);
+// CTAs per SM the kernel of that shape is built for (its launch bound), or -1.
+int ctas_per_sm_d64(int k_bits, int v_bits);
+int ctas_per_sm_d128(int k_bits, int v_bits);
+int ctas_per_sm_d256(int k_bits, int v_bits);

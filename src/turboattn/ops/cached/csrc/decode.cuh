@@ -1,5 +1,6 @@
-// Split-K decode over a 4-bit compressed cache (K and V), head_dim 64 / 128 / 256, on tensor cores (mma.sync
-// m16n8k16).
+// Split-K decode over a compressed cache on tensor cores (mma.sync m16n8k16): K and V codes of 2, 4 or 8 bits
+// each, head_dim 64 / 128 / 256.  Included by one translation unit per head dim (decode_d*.cu), so that nvcc
+// builds the head dims in parallel.
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
 // online softmax, and the warps are combined at the end.  Keys sit on the MMA's M side ("swap AB": a decode step
@@ -7,40 +8,172 @@
 // straight into an MMA fragment (lane = 4 g + c):
 //   * scores S^T = K Q^T: the A operand (16 keys x 16 dims) of lane (g, c) holds keys g and g + 8 at the k-indices
 //     2c, 2c+1, 2c+8, 2c+9.  The dot product does not care which dim sits at which k-index as long as Q^T uses the
-//     same order, so a lane takes D/8 contiguous code bytes of each of its keys (bytes c D/8 ...): byte i gives the
-//     half2 (centroid of dim c D/8 + i, centroid of dim D/2 + c D/8 + i) (planar nibbles), exactly one A register.
+//     same order, so a lane takes a contiguous quarter of each of its keys' code bytes and every byte goes
+//     straight into A registers; KeyCodes<BITS>::dim says which dim each k-index then holds, and the q fragments
+//     follow it.
 //   * output O^T = V^T P^T: P^T leaves the score accumulators in the A/C layout and one movmatrix.trans per 8 keys
 //     puts it in the B layout; the A operand (16 dims x 16 keys) of lane (g, c) holds keys 2c, 2c+1, 2c+8, 2c+9 at
-//     dims g and g + 8 of the tile; a lane takes code bytes g D/16 ... of those keys, and byte-permutes pair two
-//     keys' centroids per register.  Output dims are un-permuted on store.
-// Centroids come from a byte -> half2 table in shared memory, one copy per lane (no bank conflicts); a lookup is
-// one shift, one lop3 and one shared load.
+//     rows g and g + 8 of a 16-dim tile; a lane takes an eighth of those keys' code bytes (bytes g ...), and
+//     byte-permutes pair two keys' centroids per register.  ValueCodes<BITS>::dim says which dims tile t holds;
+//     output dims are un-permuted on store.
+// Centroids come from byte -> fp16 tables in shared memory (CodeTable), one copy per lane (no bank conflicts); a
+// lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit planes).
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
 // output and log2-sum-exp; with counters given, the last CTA of each (sequence, KV head) merges all parts
 // (merge_parts) in the same launch.
+#pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "decode_k4.h"
+#include "decode.h"
 
 namespace turboattn {
 
 constexpr int WARPS = 4;
 constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
-constexpr int LUT_WORDS = 256 * 32;  // byte -> half2, one column per lane
 
-template <int D>
+__device__ __forceinline__ uint32_t half2_bits(__half2 h);
+
+// Byte -> fp16 centroid table of a BITS-bit side, one column per lane: entry (byte, lane) is ENTRY_WORDS words at
+// word (byte * 32 + lane) * ENTRY_WORDS.  An entry holds the centroids of every code in the byte, in the order of
+// the planar packing (the low bits' code first):
+//   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
+//   4 bits: half2 (c[byte & 15], c[byte >> 4]);
+//   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]).
+template <int BITS>
+struct CodeTable {
+  static_assert(BITS == 2 || BITS == 4 || BITS == 8, "the kernel reads 2, 4 or 8-bit codes");
+  static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
+  static constexpr int WORDS = 256 * 32 * ENTRY_WORDS;
+  static constexpr int SHIFT = BITS == 2 ? 8 : 7;  // log2 of an entry row's bytes (32 lanes x entry)
+
+  // Fills the table from centroids (float32, 2^BITS) staged in shared memory as fp16; the whole CTA, no barrier
+  // at the end.
+  __device__ static void build(uint32_t* table, const __half* cent) {
+    for (int i = threadIdx.x; i < 256 * 32; i += WARPS * 32) {
+      const int byte = i >> 5;
+      uint32_t* entry = table + i * ENTRY_WORDS;
+      if constexpr (BITS == 8) {
+        entry[0] = half2_bits(__halves2half2(cent[byte], cent[byte]));
+      } else if constexpr (BITS == 4) {
+        entry[0] = half2_bits(__halves2half2(cent[byte & 15], cent[byte >> 4]));
+      } else {
+        entry[0] = half2_bits(__halves2half2(cent[byte & 3], cent[(byte >> 2) & 3]));
+        entry[1] = half2_bits(__halves2half2(cent[(byte >> 4) & 3], cent[byte >> 6]));
+      }
+    }
+  }
+
+  // Byte i of `word`'s entry for this lane (lane_offset = lane * 4 * ENTRY_WORDS): the byte offset
+  // byte << SHIFT | lane_offset in one shift and one lop3 (the fields do not overlap), and the table's own
+  // address is the shared load's immediate.
+  __device__ __forceinline__ static uint32_t offset(uint32_t lane_offset, uint32_t word, int i) {
+    const uint32_t shifted = i * 8 <= SHIFT ? word << (SHIFT - 8 * i) : word >> (8 * i - SHIFT);
+    return (shifted & (0xFFu << SHIFT)) | lane_offset;
+  }
+  __device__ __forceinline__ static uint32_t lookup(const uint32_t* table, uint32_t lane_offset, uint32_t word,
+                                                    int i) {
+    return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(table) + offset(lane_offset, word, i));
+  }
+  __device__ __forceinline__ static uint2 lookup2(const uint32_t* table, uint32_t lane_offset, uint32_t word,
+                                                  int i) {
+    return *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(table) + offset(lane_offset, word, i));
+  }
+};
+
+// The low halves of two table words as one half2 register.
+__device__ __forceinline__ uint32_t low_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x5410); }
+__device__ __forceinline__ uint32_t high_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x7632); }
+
+// A row of D codes of BITS bits packed planar (format/codec.py): byte j of the row holds, at bit offset k BITS,
+// the code of dim j + k P, P = D BITS / 8 (the row's bytes).
+//
+// Keys: lane (g, c) reads LANE_BYTES = D BITS / 32 contiguous bytes (from byte c LANE_BYTES) of each of its two
+// keys.  fragment(w, kk) gives the key's two A registers of k-step kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9);
+// dim(c, kk, reg, h) is the dim that half h of register reg holds.
+template <int BITS, int D>
+struct KeyCodes {
+  static constexpr int ROW_BYTES = D * BITS / 8;
+  static constexpr int LANE_BYTES = ROW_BYTES / 4;
+  static constexpr int WORDS = LANE_BYTES / 4;
+  using Table = CodeTable<BITS>;
+
+  __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset,
+                                                   const uint32_t (&w)[WORDS], int kk) {
+    if constexpr (BITS == 4) {  // byte 2kk + reg: dims j, j + D/2
+      const uint32_t word = w[kk / 2];
+      return make_uint2(Table::lookup(table, lane_offset, word, 2 * (kk % 2)),
+                        Table::lookup(table, lane_offset, word, 2 * (kk % 2) + 1));
+    } else if constexpr (BITS == 8) {  // bytes 4kk + 2reg + h: one dim each
+      const uint32_t word = w[kk];
+      uint32_t x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
+      return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
+    } else {  // byte kk: dims j + k D/4, k = 0..3; register reg takes k = 2 reg, 2 reg + 1
+      return Table::lookup2(table, lane_offset, w[kk / 4], kk % 4);
+    }
+  }
+  __device__ __forceinline__ static int dim(int c, int kk, int reg, int h) {
+    if constexpr (BITS == 4) return c * LANE_BYTES + 2 * kk + reg + h * (D / 2);
+    else if constexpr (BITS == 8) return c * LANE_BYTES + 4 * kk + 2 * reg + h;
+    else return c * LANE_BYTES + kk + (2 * reg + h) * (D / 4);
+  }
+};
+
+// Values: lane (g, c) reads LANE_BYTES = D BITS / 64 contiguous bytes (from byte g LANE_BYTES) of each of its four
+// keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3).  fragment(w, t) gives the A registers of dim tile t (rows g and g + 8,
+// keys 2c, 2c+1 then 2c+8, 2c+9); dim(g, t, h) is the dim of row g + 8h of tile t.
+template <int BITS, int D>
+struct ValueCodes {
+  static constexpr int ROW_BYTES = D * BITS / 8;
+  static constexpr int LANE_BYTES = ROW_BYTES / 8;
+  static constexpr int WORDS = LANE_BYTES >= 4 ? LANE_BYTES / 4 : 1;  // 2-bit codes at D = 64: 2 bytes
+  using Table = CodeTable<BITS>;
+
+  __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
+                                                   const uint32_t (&w)[4][WORDS], int t) {
+    uint32_t x[4];  // key j's half2 (row g, row g + 8)
+    if constexpr (BITS == 4) {  // byte t: dims j, j + D/2
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = Table::lookup(table, lane_offset, w[j][t / 4], t % 4);
+    } else if constexpr (BITS == 8) {  // bytes 2t, 2t + 1
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        x[j] = low_halves(Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2)),
+                          Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2) + 1));
+    } else {  // byte t / 2: dims j + k D/4; tile t takes k = 2 (t % 2), 2 (t % 2) + 1
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 e = Table::lookup2(table, lane_offset, w[j][t / 8], (t / 2) % 4);
+        x[j] = t % 2 ? e.y : e.x;
+      }
+    }
+    return make_uint4(low_halves(x[0], x[1]), high_halves(x[0], x[1]), low_halves(x[2], x[3]),
+                      high_halves(x[2], x[3]));
+  }
+  __device__ __forceinline__ static int dim(int g, int t, int h) {
+    if constexpr (BITS == 4) return g * LANE_BYTES + t + h * (D / 2);
+    else if constexpr (BITS == 8) return g * LANE_BYTES + 2 * t + h;
+    else return g * LANE_BYTES + t / 2 + (2 * (t % 2) + h) * (D / 4);
+  }
+};
+
+template <int D, int KB, int VB>
 struct Shape {
-  static constexpr int ROW_BYTES = D / 2;  // 4-bit codes
+  using K = KeyCodes<KB, D>;
+  using V = ValueCodes<VB, D>;
   static constexpr int K_STEPS = D / 16;   // MMA k-steps of the score product
-  static constexpr int K_WORDS = D / 32;   // code words a lane reads per score key (D/8 bytes)
-  static constexpr int V_WORDS = D / 64;   // code words a lane reads per value key (D/16 bytes)
   static constexpr int DIM_TILES = D / 16; // 16-dim tiles of the output
   static constexpr bool Q_IN_SMEM = D >= 256;  // q fragments: registers would crowd out the accumulators
+  // Dynamic shared memory: the K table, then the V table unless both sides share one codebook.
+  static constexpr bool SHARED_TABLE = KB == VB;
+  static constexpr int TABLE_WORDS = CodeTable<KB>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB>::WORDS);
+  static_assert(WARPS * MAX_ROWS * D <= TABLE_WORDS, "the warps' outputs must fit in the tables' space");
 };
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -57,10 +190,9 @@ __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
 
 // One element of a tensor in q's dtype (dtype 0 float16, 1 bfloat16, 2 float32) as a float.
 __device__ __forceinline__ float load_float(const void* base, int dtype, long long offset) {
@@ -73,10 +205,12 @@ __device__ __forceinline__ float load_q(const DecodeParams& p, long long offset)
   return load_float(p.q, p.q_dtype, offset);
 }
 
-// N consecutive 32-bit code words, streamed (read once: evict first).
-template <int N>
+// BYTES consecutive code bytes as 32-bit words, streamed (read once: evict first).
+template <int BYTES, int N>
 __device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t (&w)[N]) {
-  if constexpr (N == 1) {
+  if constexpr (BYTES == 2) {
+    w[0] = __ldcs(reinterpret_cast<const unsigned short*>(ptr));
+  } else if constexpr (N == 1) {
     w[0] = __ldcs(reinterpret_cast<const unsigned int*>(ptr));
   } else if constexpr (N == 2) {
     const uint2 x = __ldcs(reinterpret_cast<const uint2*>(ptr));
@@ -90,13 +224,6 @@ __device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t (&w)[N])
   }
 }
 
-// Table entry of byte i of `word` for this lane (lane4 = 4 lane): byte offset byte * 128 + lane4 in one shift and
-// one lop3 (the two fields do not overlap), and the table's own address is the shared load's immediate.
-__device__ __forceinline__ uint32_t lookup(const uint32_t* lut, uint32_t lane4, uint32_t word, int i) {
-  const uint32_t off = ((i == 0 ? word << 7 : word >> (8 * i - 7)) & 0x7F80u) | lane4;
-  return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + off);
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = 0, no range fix-ups
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -105,53 +232,52 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf)
 
 // One warp's 16-key tile as this lane needs it: K code words of keys g and g + 8, V code words of keys 2c, 2c+1,
 // 2c+8, 2c+9, and the scales of keys g and g + 8 (the lane's score keys).
-template <int D>
+template <class S>
 struct TileData {
-  uint32_t kw[2][Shape<D>::K_WORDS];
-  uint32_t vw[4][Shape<D>::V_WORDS];
+  uint32_t kw[2][S::K::WORDS];
+  uint32_t vw[4][S::V::WORDS];
   float k_scale[2], v_scale[2];
 };
 
 // This lane's addresses at slot 0 of its (sequence, KV head): every load of a tile is one of these plus the
 // tile's offset plus an immediate.
 struct LanePointers {
-  const uint8_t* k;   // K codes of key g, bytes c D/8 ...
-  const uint8_t* v;   // V codes of key 2c, bytes g D/16 ...
+  const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES
+  const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES
   const float* ks;    // K scale of key g
   const float* vs;    // V scale of key g
 };
 
-template <int D>
-__device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, TileData<D>& t) {
-  constexpr int RB = Shape<D>::ROW_BYTES;
-  const uint8_t* k = lp.k + (size_t)tile * RB;
-  const uint8_t* v = lp.v + (size_t)tile * RB;
+template <class S>
+__device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, TileData<S>& t) {
+  constexpr int KR = S::K::ROW_BYTES, VR = S::V::ROW_BYTES;
+  const uint8_t* k = lp.k + (size_t)tile * KR;
+  const uint8_t* v = lp.v + (size_t)tile * VR;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    load_words(k + 8 * n * RB, t.kw[n]);
+    load_words<S::K::LANE_BYTES>(k + 8 * n * KR, t.kw[n]);
     t.k_scale[n] = __ldcs(lp.ks + tile + 8 * n);
     t.v_scale[n] = __ldcs(lp.vs + tile + 8 * n);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) load_words(v + ((j & 1) + 8 * (j >> 1)) * RB, t.vw[j]);
+  for (int j = 0; j < 4; ++j) load_words<S::V::LANE_BYTES>(v + ((j & 1) + 8 * (j >> 1)) * VR, t.vw[j]);
 }
 
 // The last tile of a full cache: slots past the capacity read the last slot (the softmax masks them).
-template <int D>
+template <class S>
 __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int tile, int capacity, int g, int c,
-                                                  TileData<D>& t) {
-  constexpr int RB = Shape<D>::ROW_BYTES;
+                                                  TileData<S>& t) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int slot = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
-    load_words(lp.k + (size_t)slot * RB, t.kw[n]);
+    load_words<S::K::LANE_BYTES>(lp.k + (size_t)slot * S::K::ROW_BYTES, t.kw[n]);
     t.k_scale[n] = __ldcs(lp.ks + slot);
     t.v_scale[n] = __ldcs(lp.vs + slot);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int slot = min(tile + 2 * c + (j & 1) + 8 * (j >> 1), capacity - 1) - 2 * c;
-    load_words(lp.v + (size_t)slot * RB, t.vw[j]);
+    load_words<S::V::LANE_BYTES>(lp.v + (size_t)slot * S::V::ROW_BYTES, t.vw[j]);
   }
 }
 
@@ -280,19 +406,42 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
   }
 }
 
-// MIN_BLOCKS: CTAs per SM the register allocation must allow.
-template <int D, int MIN_BLOCKS>
-__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const DecodeParams p) {
-  using S = Shape<D>;
-  // The lookup table (32 KB, later reused to combine the warps), the rotated queries, the q fragments when they
-  // live in shared memory, and the warps' row statistics.  Static, so table addresses are immediates.
-  __shared__ __align__(16) uint32_t lut[LUT_WORDS];
+// CTAs per SM that the kernel's registers and shared memory allow (the launch bound; ops/cached/config.py plans
+// splits with the same numbers, and a GPU test compares them).  Measured: 4 at D <= 128 and 2 at D = 256 for
+// 4-bit codes (BENCHMARKS.md); wider codes need more prefetch registers, two tables more shared memory.
+template <int D, int KB, int VB>
+constexpr int ctas_per_sm() {
+  // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, centroids, statistics; an upper
+  // bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
+  constexpr int static_bytes = 4 * MAX_ROWS * D + (D >= 256 ? D / 16 * 256 : 0) + 2048;
+  constexpr int by_smem = 228 * 1024 / (Shape<D, KB, VB>::TABLE_WORDS * 4 + static_bytes + 1024);
+  // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255.  4-bit and 2-bit codes fit
+  // 128 without spilling at D <= 128, other pairs need 3 CTAs' worth, D = 256 needs 2.
+  constexpr int by_regs = D >= 256 ? 2 : (KB == VB && KB <= 4 ? 4 : 3);
+  return by_smem < by_regs ? by_smem : by_regs;
+}
+
+// Dynamic shared memory of decode<D, KB, VB>: the code tables (later reused to combine the warps).
+template <int D, int KB, int VB>
+constexpr int table_bytes() { return Shape<D, KB, VB>::TABLE_WORDS * 4; }
+
+// The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
+// address is still a constant, so table addresses stay immediates.
+extern __shared__ __align__(16) uint32_t code_tables[];
+
+template <int D, int KB, int VB>
+__global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode(const DecodeParams p) {
+  using S = Shape<D, KB, VB>;
+  // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
+  // warps' row statistics.
+  uint32_t* const k_table = code_tables;
+  uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : CodeTable<KB>::WORDS);
+  __shared__ __half centroids[2][256];
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
   __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
   __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
   __shared__ int is_last;
-  static_assert(WARPS * MAX_ROWS * D * 4 <= LUT_WORDS * 4, "the warps' outputs must fit in the table's space");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -317,14 +466,14 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
   const int qpos[2] = {qpos_base + (2 * c) / p.group, qpos_base + (2 * c + 1) / p.group};
 
   const size_t row0 = (size_t)bh * p.capacity;
-  const LanePointers lp{p.k_codes + (row0 + g) * S::ROW_BYTES + c * (D / 8),
-                        p.v_codes + (row0 + 2 * c) * S::ROW_BYTES + g * (D / 16), p.k_scales + row0 + g,
+  const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + c * S::K::LANE_BYTES,
+                        p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + g * S::V::LANE_BYTES, p.k_scales + row0 + g,
                         p.v_scales + row0 + g};
-  auto load = [&](int tile, TileData<D>& t) {
-    if (tile + TILE_KEYS <= p.capacity) load_tile<D>(lp, tile, t);
-    else load_tile_clamped<D>(lp, tile, p.capacity, g, c, t);
+  auto load = [&](int tile, TileData<S>& t) {
+    if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
+    else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
   };
-  const uint32_t lane4 = 4 * lane;
+  const uint32_t k_lane = lane * 4 * CodeTable<KB>::ENTRY_WORDS, v_lane = lane * 4 * CodeTable<VB>::ENTRY_WORDS;
   // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
   // the split's end, left padding and the window); a ring's tiles always take the masked path.
   int safe_lo = start, safe_hi = min(hi, qpos_base + 1);
@@ -332,23 +481,12 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
   if (p.ring) safe_hi = safe_lo - 1;
 
 
-  {  // Table: entry (byte, lane) = (centroid[byte & 15], centroid[byte >> 4]).  Thread tid writes the entries
-     // byte = tid / 32 + 4 j of its lane column: the high nibble is j / 4, the low one takes 4 values.
-    __half hi_c[16], lo_c[4];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) hi_c[i] = __float2half_rn(p.centroids[i]);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) lo_c[i] = __float2half_rn(p.centroids[warp + 4 * i]);
-#pragma unroll
-    for (int j = 0; j < 64; ++j) {
-      const __half2 h = __halves2half2(lo_c[j % 4], hi_c[j / 4]);
-      lut[tid + 128 * j] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-  }
-  // The first tile's loads go out now: their latency hides behind the q rotation.
-  TileData<D> next;
+  // The first tile's loads go out now: their latency hides behind the tables and the q rotation.
+  TileData<S> next;
   const int first_tile = lo + warp * TILE_KEYS;
   if (first_tile < hi) load(first_tile, next);
+  for (int i = tid; i < (1 << KB); i += WARPS * 32) centroids[0][i] = __float2half_rn(p.k_centroids[i]);
+  for (int i = tid; i < (1 << VB); i += WARPS * 32) centroids[1][i] = __float2half_rn(p.v_centroids[i]);
   // Queries of the GQA group: row r = token r / G of query head kvh * G + r % G; q / gain, signs, then H.
   for (int i = tid; i < MAX_ROWS * D; i += WARPS * 32) {
     const int r = i / D, d = i % D;
@@ -362,13 +500,17 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
     q_rot[i] = x;
   }
   __syncthreads();
-  hadamard_rows<D>(q_rot, MAX_ROWS);
+  CodeTable<KB>::build(k_table, centroids[0]);
+  if constexpr (!S::SHARED_TABLE) CodeTable<VB>::build(v_table, centroids[1]);
+  hadamard_rows<D>(q_rot, MAX_ROWS);  // its first barrier also publishes the tables
   const float q_norm = p.q_scale * rsqrtf((float)D);
-  // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims of k-indices 2c, 2c+1 / 2c+8, 2c+9.
+  // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims that the K fragments hold at k-indices
+  // 2c, 2c+1 (register 0) and 2c+8, 2c+9 (register 1).
   auto q_fragment = [&](int kk) {
-    const int d0 = c * (D / 8) + 2 * kk;
-    return make_uint2(pack_half2(q_rot[g * D + d0] * q_norm, q_rot[g * D + D / 2 + d0] * q_norm),
-                      pack_half2(q_rot[g * D + d0 + 1] * q_norm, q_rot[g * D + D / 2 + d0 + 1] * q_norm));
+    const float* qg = q_rot + g * D;
+    using K = typename S::K;
+    return make_uint2(pack_half2(qg[K::dim(c, kk, 0, 0)] * q_norm, qg[K::dim(c, kk, 0, 1)] * q_norm),
+                      pack_half2(qg[K::dim(c, kk, 1, 0)] * q_norm, qg[K::dim(c, kk, 1, 1)] * q_norm));
   };
   uint2 qb[S::Q_IN_SMEM ? 1 : S::K_STEPS];
   if constexpr (S::Q_IN_SMEM) {
@@ -385,7 +527,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
   for (int t = 0; t < S::DIM_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 
   // One 16-key tile: scores, online softmax, and the PV product.
-  auto process = [&](const TileData<D>& cur, const int tile) {
+  auto process = [&](const TileData<S>& cur, const int tile) {
     // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
     // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
     float k_scale[2], v_scale[2];
@@ -399,11 +541,10 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) {
-      const uint32_t w0 = cur.kw[0][kk / 2], w1 = cur.kw[1][kk / 2];
-      const int i0 = 2 * (kk % 2), i1 = i0 + 1;
+      const uint2 a0 = S::K::fragment(k_table, k_lane, cur.kw[0], kk);  // key g
+      const uint2 a1 = S::K::fragment(k_table, k_lane, cur.kw[1], kk);  // key g + 8
       const uint2 qf = S::Q_IN_SMEM ? q_frag[kk * 32 + lane] : qb[S::Q_IN_SMEM ? 0 : kk];
-      mma_16816(kk % 2 ? s_odd : s, lookup(lut, lane4, w0, i0), lookup(lut, lane4, w1, i0),
-                lookup(lut, lane4, w0, i1), lookup(lut, lane4, w1, i1), qf.x, qf.y);
+      mma_16816(kk % 2 ? s_odd : s, a0.x, a1.x, a0.y, a1.y, qf.x, qf.y);
     }
     // s[2n + e]: key g + 8n, row 2c + e.  Scale, cap, and mask where a mask can apply.
 #pragma unroll
@@ -460,21 +601,18 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
     // P^T (16 keys x 8 rows) from the accumulator layout to the B layout: one 8x8 transpose per 8 keys.
     const uint32_t pb0 = transpose_8x8(pack_half2(pr[0], pr[1]));
     const uint32_t pb1 = transpose_8x8(pack_half2(pr[2], pr[3]));
-    // O^T += V^T P^T: dim tile t holds dims (D/16) g' + t (rows g') and D/2 + (D/16) g' + t (rows g' + 8).
+    // O^T += V^T P^T: dim tile t holds dims ValueCodes::dim(g', t, 0) (rows g') and dim(g', t, 1) (rows g' + 8).
 #pragma unroll
     for (int t = 0; t < S::DIM_TILES; ++t) {
-      uint32_t x[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = lookup(lut, lane4, cur.vw[j][t / 4], t % 4);
-      mma_16816(acc[t], __byte_perm(x[0], x[1], 0x5410), __byte_perm(x[0], x[1], 0x7632),
-                __byte_perm(x[2], x[3], 0x5410), __byte_perm(x[2], x[3], 0x7632), pb0, pb1);
+      const uint4 a = S::V::fragment(v_table, v_lane, cur.vw, t);
+      mma_16816(acc[t], a.x, a.y, a.z, a.w, pb0, pb1);
     }
   };
   // Each warp keeps its next tile's loads in flight while it computes the current one.  (Unrolling by two into
   // alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
   constexpr int STRIDE = WARPS * TILE_KEYS;
   for (int tile = first_tile; tile < hi; tile += STRIDE) {
-    const TileData<D> cur = next;
+    const TileData<S> cur = next;
     if (tile + STRIDE < hi) load(tile + STRIDE, next);
     process(cur, tile);
   }
@@ -486,8 +624,8 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 8);
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
   }
-  __syncthreads();  // the lookup table is no longer read: its space takes the warps' outputs
-  float* o_warp = reinterpret_cast<float*>(lut);  // [WARPS][MAX_ROWS][D]
+  __syncthreads();  // the code tables are no longer read: their space takes the warps' outputs
+  float* o_warp = reinterpret_cast<float*>(code_tables);  // [WARPS][MAX_ROWS][D]
   if (g == 0) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -504,8 +642,8 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
     const float f = exp2f(m[e] - (mall == -INFINITY ? 0.f : mall));
 #pragma unroll
     for (int t = 0; t < S::DIM_TILES; ++t) {
-      o_warp[(warp * MAX_ROWS + r) * D + (D / 16) * g + t] = acc[t][e] * f;
-      o_warp[(warp * MAX_ROWS + r) * D + D / 2 + (D / 16) * g + t] = acc[t][2 + e] * f;
+      o_warp[(warp * MAX_ROWS + r) * D + S::V::dim(g, t, 0)] = acc[t][e] * f;
+      o_warp[(warp * MAX_ROWS + r) * D + S::V::dim(g, t, 1)] = acc[t][2 + e] * f;
     }
   }
   __syncthreads();
@@ -535,33 +673,59 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) decode_k4(const Decode
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_parts<D>(p, reinterpret_cast<float*>(lut), q_rot, warp_ml, fresh_p);
+  merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p);
 }
 
-}  // namespace turboattn
-
-template <int D, int MIN_BLOCKS>
-static int launch(const turboattn::DecodeParams& params, int num_splits, int batch_kv_heads, cudaStream_t stream) {
-  turboattn::decode_k4<D, MIN_BLOCKS><<<dim3(num_splits, batch_kv_heads), turboattn::WARPS * 32, 0, stream>>>(params);
+// Launches decode<D, KB, VB>.  Past 48 KB of dynamic shared memory a kernel needs an allowance, set once per
+// device (function attributes belong to a device's context; the binding made q's device current).
+template <int D, int KB, int VB>
+int launch(const DecodeParams& params, int num_splits, int batch_kv_heads, cudaStream_t stream) {
+  constexpr int smem = table_bytes<D, KB, VB>();
+  if constexpr (smem > 48 * 1024) {
+    static bool allowed[64] = {};
+    int device = 0;
+    cudaGetDevice(&device);
+    if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
+    if (!allowed[device]) {
+      const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      allowed[device] = true;
+    }
+  }
+  decode<D, KB, VB><<<dim3(num_splits, batch_kv_heads), WARPS * 32, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int D>
-static int launch_for(const turboattn::DecodeParams& params, int num_splits, int batch_kv_heads, int min_blocks,
-                      cudaStream_t stream) {
-  switch (min_blocks) {
-    case 1: return launch<D, 1>(params, num_splits, batch_kv_heads, stream);
-    case 2: return launch<D, 2>(params, num_splits, batch_kv_heads, stream);
-    case 3: return launch<D, 3>(params, num_splits, batch_kv_heads, stream);
-    case 4: return launch<D, 4>(params, num_splits, batch_kv_heads, stream);
-    default: return launch<D, 5>(params, num_splits, batch_kv_heads, stream);
+// decode<D, KB, VB> for run-time bit widths (2, 4 or 8 each): -1 for others.
+template <int D, int KB>
+int launch_for_v(const DecodeParams& params, int v_bits, int num_splits, int batch_kv_heads, cudaStream_t stream) {
+  switch (v_bits) {
+    case 2: return launch<D, KB, 2>(params, num_splits, batch_kv_heads, stream);
+    case 4: return launch<D, KB, 4>(params, num_splits, batch_kv_heads, stream);
+    case 8: return launch<D, KB, 8>(params, num_splits, batch_kv_heads, stream);
+    default: return -1;
   }
 }
 
-int launch_decode_k4(const turboattn::DecodeParams& params, int head_dim, int num_splits, int batch_kv_heads,
-                     int min_blocks, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (head_dim == 64) return launch_for<64>(params, num_splits, batch_kv_heads, min_blocks, s);
-  if (head_dim == 256) return launch_for<256>(params, num_splits, batch_kv_heads, min_blocks, s);
-  return launch_for<128>(params, num_splits, batch_kv_heads, min_blocks, s);
+template <int D>
+int launch_decode_for(const DecodeParams& params, int k_bits, int v_bits, int num_splits, int batch_kv_heads,
+                      cudaStream_t stream) {
+  switch (k_bits) {
+    case 2: return launch_for_v<D, 2>(params, v_bits, num_splits, batch_kv_heads, stream);
+    case 4: return launch_for_v<D, 4>(params, v_bits, num_splits, batch_kv_heads, stream);
+    case 8: return launch_for_v<D, 8>(params, v_bits, num_splits, batch_kv_heads, stream);
+    default: return -1;
+  }
 }
+
+template <int D>
+int ctas_per_sm_for(int k_bits, int v_bits) {
+#define TURBOATTN_CTAS(KB, VB) if (k_bits == KB && v_bits == VB) return ctas_per_sm<D, KB, VB>();
+  TURBOATTN_CTAS(2, 2) TURBOATTN_CTAS(2, 4) TURBOATTN_CTAS(2, 8)
+  TURBOATTN_CTAS(4, 2) TURBOATTN_CTAS(4, 4) TURBOATTN_CTAS(4, 8)
+  TURBOATTN_CTAS(8, 2) TURBOATTN_CTAS(8, 4) TURBOATTN_CTAS(8, 8)
+#undef TURBOATTN_CTAS
+  return -1;
+}
+
+}  // namespace turboattn
