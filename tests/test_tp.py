@@ -32,7 +32,8 @@ def logits_for(tokens, vocab=4, margin=1.0):
 
 def test_equal_runs_pass():
     tokens = [[1, 2, 3], [0, 0, 1]]
-    ok, msg = compare_greedy(Run(torch.tensor(tokens), logits_for(tokens)), Run(torch.tensor(tokens), logits_for(tokens)))
+    run = Run(torch.tensor(tokens), logits_for(tokens))
+    ok, msg = compare_greedy(run, Run(torch.tensor(tokens), logits_for(tokens)))
     assert ok and "tokens equal" in msg
 
 

@@ -7,10 +7,10 @@ One GPU per rank (NCCL) when CUDA is available, else the CPU (gloo), as transfor
 
 Rank 0 builds a small random-weight Llama and saves it (save_pretrained) to a temporary folder; every
 rank loads it with `tp_plan="auto"` (transformers shards q/k/v by heads, so each rank's attention layers
-see Hkv / world KV heads; TurboQuantLayer.lazy_initialization takes its head count from the first K/V it is
-given, so each rank's cache is built for its own heads) and runs greedy generate with TurboQuantCache (k8v8) and with transformers'
-DynamicCache.  Rank 0 also runs the unsharded model on one device.  The check fails (exit status 1)
-unless, for both caches:
+see Hkv / world KV heads; TurboQuantLayer.lazy_initialization takes its head count from the first K/V it
+is given, so each rank's cache is built for its own heads) and runs greedy generate with TurboQuantCache
+(k8v8) and with transformers' DynamicCache.  Rank 0 also runs the unsharded model on one device.  The
+check fails (exit status 1) unless, for both caches:
 
 - the greedy tokens equal the single-device run's, up to a near-tie: wherever both runs have seen the
   same tokens their logits agree within LOGIT_TOL, so they can part only at a step whose top-2 logit gap is
