@@ -237,3 +237,34 @@ def test_allocated_device_tables_cover_every_kernel_table(d, bits, gen):
     q = torch.randn(1, 2, 1, d, generator=gen)
     ta.cached_attention(q, cache, k[:, :, :1], v[:, :, :1], sinks=torch.zeros(2), backend="triton")
     assert [f.cache_info().currsize for f in caches] == before
+
+
+def test_every_op_body_runs_under_its_tensors_device_guard(gen, monkeypatch):
+    """Triton launches on torch's current device, not on its arguments' (triton.runtime.jit takes
+    driver.active.get_current_device()): each op's body enters library._on(tensor device) around the kernel,
+    which for a GPU is torch.cuda.device(that GPU) (tests/gpu/test_multi_gpu.py runs it on cuda:1)."""
+    from turboattn.ops import library
+
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(library, "_on", Recorder)
+    cache = _cache(gen)                                  # quantize_append
+    q = torch.randn(2, 4, 1, 64, generator=gen)
+    ta.cached_attention(q, cache)                        # cached_attention
+    ta.flash_attention(q, q[:, :2], q[:, :2])            # flash_attention
+    assert entered == [torch.device("cpu")] * 3
+    monkeypatch.undo()
+    guard = library._on(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    with library._on(torch.device("cpu")):
+        pass

@@ -6,10 +6,16 @@ so that torch.compile and CUDA graphs see the ops as opaque calls with known out
 functions (attention.py, cache/) validate, then call `run(op, ...)`: the torch op while
 torch.compile traces, and in eager mode the op's body directly, because the dispatcher's Python
 round trip costs ~25 µs per call, as much as a whole decode kernel at small batch.
+
+Every body runs under a device guard for its tensors' GPU (`_on`): a Triton launch takes the device
+and stream from torch's *current* device (triton.runtime.jit: driver.active.get_current_device()),
+not from its arguments, so a call on cuda:1 tensors while cuda:0 is current would otherwise launch
+on cuda:0's stream with cuda:1 pointers.  The CUDA extension guards itself (csrc/binding.cpp).
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 
 import torch
@@ -26,6 +32,15 @@ def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected
            scale_dtype: torch.dtype = torch.float32) -> KVCodec:
     # The scale dtype is the scale tensors' own: the ops take no separate argument for it.
     return KVCodec(head_dim, k_bits, v_bits, scale_rule, scale_dtype)
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _on(device: torch.device):
+    """A guard that makes `device` torch's current CUDA device for the block (nothing for other devices):
+    Triton and torch.cuda.current_stream() then see the tensors' device and its current stream."""
+    return torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD
 
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
@@ -45,7 +60,8 @@ def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      nonfinite=nonfinite)
     codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, k_scales.dtype)
-    backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
+    with _on(k.device):
+        backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
 
 
 quantize_append = torch.library.custom_op("turboattn::quantize_append", _quantize_append,
@@ -83,8 +99,9 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
         hkv = layout.num_kv_heads
         decode_plan = plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity,
                                   plan[0] if plan else None, kernel=impl)
-    return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
-                                                  sinks=sinks, plan=decode_plan)
+    with _on(q.device):
+        return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
+                                                      sinks=sinks, plan=decode_plan)
 
 
 cached_attention = torch.library.custom_op("turboattn::cached_attention", _cached_attention,
@@ -102,9 +119,10 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, sliding_wind
                     scale: float | None, softcap: float | None, sinks: Tensor | None, alibi_slopes: Tensor | None,
                     return_lse: bool, impl: str) -> tuple[Tensor, Tensor]:
     """Dense attention; returns (out, lse [B, Hq, Lq] float32), lse empty unless return_lse."""
-    result = backend.load("flash_attention", impl)(q, k, v, causal=causal, sliding_window=sliding_window, mask=mask,
-                                                   scale=scale, softcap=softcap, sinks=sinks,
-                                                   alibi_slopes=alibi_slopes, return_lse=return_lse)
+    with _on(q.device):
+        result = backend.load("flash_attention", impl)(q, k, v, causal=causal, sliding_window=sliding_window,
+                                                       mask=mask, scale=scale, softcap=softcap, sinks=sinks,
+                                                       alibi_slopes=alibi_slopes, return_lse=return_lse)
     if return_lse:
         return result
     # A fresh tensor: an op's outputs may not alias each other.
