@@ -108,8 +108,9 @@ def _encode_block(y, cols_ok, cb_ptr, bounds_ptr, grid_ptr, BITS: tl.constexpr, 
     rms = tl.sqrt(sumsq / BLK)
     safe = tl.where(rms > 0, rms, 1.0)
     idx, c = _cell_index(y / safe[:, None], bounds_ptr, grid_ptr, cb_ptr, RULE != 0)
-    if M > 1 and RULE != 0:
-        c = tl.where(cols_ok[None, :], c, 0.0)   # a padded column's cell (that of 0) is no centroid of the block
+    if M > 1:
+        if RULE != 0:   # a padded column's cell (that of 0) is no centroid of the block
+            c = tl.where(cols_ok[None, :], c, 0.0)
     if RULE == 0:
         scale = rms
     else:
