@@ -50,6 +50,16 @@ def test_kernel_matches_twin(gen, case):
 
 
 @needs_triton
+@pytest.mark.parametrize("d", [48, 320])
+def test_kernel_matches_twin_at_other_head_dims(gen, d):
+    """Head dims that are not powers of two: first rows and window rotated in the kernel (48) or on the host (320)."""
+    codec = ta.KVCodec(d, 4, 3)
+    cache = _cache(codec, 2, 2, 4, 5, capacity=40, pad=[0, 3], exact_dtype=torch.float32)
+    fill(gen, cache, (14, 9), shift=True)
+    check_kernel_matches_twin(gen, cache, 2, 2)
+
+
+@needs_triton
 @pytest.mark.parametrize("r_len", [0, 6])
 def test_kernel_reads_the_first_rows_not_the_codes(gen, r_len):
     """Spoiling the codes of the first positions changes nothing (both paths); spoiling a first-token row does."""

@@ -48,6 +48,19 @@ def test_kernel_matches_twin(gen, case):
 
 
 @needs_triton
+@pytest.mark.parametrize("d, window", [(80, None), (96, 11), (320, None)])
+def test_kernel_matches_twin_at_other_head_dims(gen, d, window):
+    """Head dims that are not powers of two: the window rotated in the kernel (80; 96 with a ring that wraps) or
+    on the host (320), keys through a shifted key transform."""
+    codec = ta.KVCodec(d, 4, 3)
+    cache = _cache(codec, 2, 2, 5, window, capacity=40, exact_dtype=torch.float32)
+    fill(gen, cache, (14, 9), shift=True)
+    if window is None:
+        cache.set_left_padding([0, 2])
+    check_kernel_matches_twin(gen, cache, 2, 2)
+
+
+@needs_triton
 def test_kernel_reads_the_window_not_the_codes(gen):
     """Spoiling the codes of the window's positions changes nothing; spoiling the window's rows does."""
     codec = ta.KVCodec(64, 4, 4)

@@ -10,6 +10,7 @@ moves logits by >1e-2 at these sizes).
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import pytest
@@ -340,6 +341,28 @@ def test_head_dims_not_powers_of_two_generate_like_exact_cache(head_dim, max_len
     got = generate(model, ids, cache)
     assert cache.layers[0].cache.codec.head_dim == head_dim
     assert_matches_fake_quant(partial(tiny_llama, head_dim=head_dim), ids, got, cache)
+    assert_same_tokens_but_near_ties(model, ids, got, exact)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by `make test`)")
+@torch.no_grad()
+def test_head_dim_80_through_the_triton_kernels(monkeypatch):
+    """The model path through the compressed cache's Triton kernels (forced on the CPU, as "auto" picks them on a
+    GPU) at D = 80: greedy tokens equal DynamicCache's but near-ties, as on the PyTorch path."""
+    import turboattn.attention
+    import turboattn.cache.dynamic
+    from turboattn.ops import backend
+
+    def triton_for_the_cache(op, name, device, head_dim=None):
+        forced = "triton" if name == "auto" and op in ("cached_attention", "quantize_append") else name
+        return backend.choose(op, forced, device, head_dim)
+
+    monkeypatch.setattr(turboattn.attention, "choose", triton_for_the_cache)
+    monkeypatch.setattr(turboattn.cache.dynamic, "choose", triton_for_the_cache)
+    model = tiny_llama(head_dim=80)
+    ids = random_ids(12, seed=5)
+    exact = generate(model, ids, transformers.DynamicCache(config=model.config))
+    got = generate(model, ids, TurboQuantCache(model.config, 8, 8))
     assert_same_tokens_but_near_ties(model, ids, got, exact)
 
 

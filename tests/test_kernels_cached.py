@@ -75,6 +75,69 @@ def test_cached_attention_kernel_large_head_dims(gen, d):
     assert _rel(out, ref) < FP16_TOL + 2.0**-11
 
 
+# Head dims that are not powers of two (D = P * m, m odd: the padded layout, the Hartley factor in the rotation).
+OTHER_HEAD_DIMS = (48, 80, 96, 160)
+
+
+@settings(max_examples=12, phases=NO_SHRINK)
+@given(d=st.sampled_from(OTHER_HEAD_DIMS), k_bits=st.sampled_from(BITS), v_bits=st.sampled_from(BITS),
+       group=st.integers(1, 4), tq=st.integers(1, 3), fresh=st.booleans(), window=st.sampled_from([None, 5, 16]),
+       softcap=st.sampled_from([None, 20.0]), sinks=st.booleans(), splits=st.sampled_from([None, 1, 3]),
+       seed=st.integers(0, 2**31))
+def test_cached_attention_kernel_matches_reference_at_other_head_dims(d, k_bits, v_bits, group, tq, fresh, window,
+                                                                      softcap, sinks, splits, seed):
+    """As test_cached_attention_kernel_matches_reference, at head dims that are not powers of two (GQA groups,
+    rings that wrap, fresh k/v, left padding), with fewer tokens: the same tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    codec = ta.KVCodec(d, k_bits, v_bits)
+    b, hkv = 2, 2
+    cache = _filled_cache(gen, codec, b, hkv, (13, 11), window=window,
+                          capacity=None if window else 24 + tq, pad=[0, 3])
+    q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
+    kf = vf = None
+    if fresh:
+        kf = torch.randn(b, hkv, tq, d, generator=gen).half()
+        vf = torch.randn(b, hkv, tq, d, generator=gen).half()
+    sink = torch.randn(hkv * group, generator=gen) if sinks else None
+    out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sink, backend="triton", num_splits=splits)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sink,
+                                 compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert _rel(out, ref) < FP16_TOL + 2.0**-11
+
+
+@pytest.mark.parametrize("d", [32, 320, 384, 496])
+def test_cached_attention_kernel_smallest_and_large_other_head_dims(gen, d):
+    """D = 32 (the smallest power of two); above 256 two norm blocks of D / 2 and q, fresh k/v rotated on the
+    host like D = 512 (320 = 64 * 5, 384 = 128 * 3, 496 = 16 * 31: the largest Hartley factor)."""
+    codec = ta.KVCodec(d, 4, 5)
+    cache = _filled_cache(gen, codec, 1, 2, (21,), capacity=24)
+    q = torch.randn(1, 4, 2, d, generator=gen).half()
+    kf = torch.randn(1, 2, 2, d, generator=gen).half()
+    vf = torch.randn(1, 2, 2, d, generator=gen).half()
+    out = ta.cached_attention(q, cache, kf, vf, backend="triton", num_splits=2)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
+    assert _rel(out, ref) < FP16_TOL + 2.0**-11
+
+
+def test_cached_attention_kernel_key_transform_at_other_head_dims(gen):
+    """A shifted key transform (q / gain against (k - shift) * gain, fresh keys transformed in the kernel) at
+    D = 80, where its vectors are read through the padded layout's map."""
+    d = 80
+    codec = ta.KVCodec(d, 4, 3)
+    cache = ta.QuantizedKVCache(codec, 2, 2, capacity=30)
+    shift = torch.randn(2, 2, d, generator=gen) * 3
+    cache.set_key_transform(shift, torch.rand(2, 2, d, generator=gen) + 0.5)
+    cache.append(shift[:, :, None] + torch.randn(2, 2, 17, d, generator=gen), torch.randn(2, 2, 17, d, generator=gen),
+                 backend="torch")
+    q = torch.randn(2, 6, 2, d, generator=gen).half()
+    kf = (shift[:, :, None] + torch.randn(2, 2, 2, d, generator=gen)).half()
+    vf = torch.randn(2, 2, 2, d, generator=gen).half()
+    out = ta.cached_attention(q, cache, kf, vf, backend="triton")
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
+    assert _rel(out, ref) < FP16_TOL + 2.0**-11
+
+
 def test_fully_masked_rows_give_zeros_and_sinks_alone(gen):
     """Sequence 1 is all left padding: its rows see nothing, so out = 0 (also with a sink)."""
     codec = ta.KVCodec(64, 4, 4)

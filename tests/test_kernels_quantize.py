@@ -61,12 +61,51 @@ def _assert_same(fused, ref, inputs):
        rule=st.sampled_from(["rms", "corrected", "lsq"]), t=st.integers(1, 70),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
 def test_quantize_append_matches_codec(d, k_bits, v_bits, rule, t, dtype, seed):
+    _check_matches_codec(d, k_bits, v_bits, rule, t, dtype, seed)
+
+
+def _check_matches_codec(d, k_bits, v_bits, rule, t, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     codec = ta.KVCodec(d, k_bits, v_bits, rule)
     fused, ref = _pair(codec, 2, 2, capacity=t + 5)
     k = (torch.randn(2, 2, t, d, generator=gen) * 3).to(dtype)
     v = torch.randn(2, 2, t, d, generator=gen).to(dtype)
     k[0, 1, 0] = 0  # zero vector: scale 0
+    fused.append(k, v, backend="triton")
+    ref.append(k, v, backend="torch")
+    _assert_same(fused, ref, [(k, v)])
+
+
+@settings(max_examples=10, phases=NO_SHRINK)
+@given(d=st.sampled_from([32, 48, 80, 96, 160]), k_bits=st.sampled_from(BITS), v_bits=st.sampled_from(BITS),
+       rule=st.sampled_from(["rms", "corrected", "lsq"]), t=st.integers(1, 20),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
+def test_quantize_append_matches_codec_at_other_head_dims(d, k_bits, v_bits, rule, t, dtype, seed):
+    """Head dims that are not powers of two (the padded layout, the Hartley factor) and D = 32, fewer tokens."""
+    _check_matches_codec(d, k_bits, v_bits, rule, t, dtype, seed)
+
+
+@pytest.mark.parametrize("d", [80, 320])
+def test_quantize_append_ring_wraps_at_other_head_dims(gen, d):
+    """A ring at D = 80 and at D = 320 (two norm blocks of 160 coordinates): wraps and a chunk longer than W."""
+    codec = ta.KVCodec(d, 3, 6, "lsq")
+    fused, ref = _pair(codec, 2, 1, sliding_window=6)
+    inputs = []
+    for t in (4, 9, 1):
+        k = torch.randn(2, 1, t, d, generator=gen)
+        v = torch.randn(2, 1, t, d, generator=gen)
+        fused.append(k, v, backend="triton")
+        ref.append(k, v, backend="torch")
+        inputs.append((k, v))
+        _assert_same(fused, ref, inputs)
+
+
+@pytest.mark.parametrize("d", [384, 496])
+def test_quantize_append_large_other_head_dims(gen, d):
+    codec = ta.KVCodec(d, 5, 4, "corrected")
+    fused, ref = _pair(codec, 1, 1, capacity=8)
+    k = torch.randn(1, 1, 5, d, generator=gen)
+    v = torch.randn(1, 1, 5, d, generator=gen)
     fused.append(k, v, backend="triton")
     ref.append(k, v, backend="torch")
     _assert_same(fused, ref, [(k, v)])
@@ -109,9 +148,10 @@ def test_quantize_append_head_dim_512(gen):
     _assert_same(fused, ref, [(k, v)])
 
 
-@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("d", [64, 512, 96, 288])
 def test_quantize_append_applies_the_key_transform(gen, d):
-    """The kernel codes (k - shift) * gain, like the reference path (D = 512 covers the two-block rows)."""
+    """The kernel codes (k - shift) * gain, like the reference path (D = 512 covers the two-block rows, 96 and 288
+    the padded layout's map with one and two blocks)."""
     codec = ta.KVCodec(d, 4, 3)
     fused, ref = _pair(codec, 2, 2, sliding_window=12)
     shift = torch.randn(2, 2, d, generator=gen) * 3
@@ -128,7 +168,7 @@ def test_quantize_append_applies_the_key_transform(gen, d):
     _assert_same(fused, ref, inputs)
 
 
-@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("d", [64, 512, 112])
 @pytest.mark.parametrize("dtype,exponents", [(torch.float16, (-10, 12)), (torch.bfloat16, (-120, 120)),
                                              (torch.float32, (-140, -120, 100, 120))],
                          ids=["float16", "bfloat16", "float32"])

@@ -17,6 +17,9 @@ from pathlib import Path
 # Results of `turboattn eval` and `turboattn bench` go here unless --out says otherwise (.gitignore lists it):
 # committed results under benchmarks/ are replaced only on request.
 RUNS_DIR = Path("runs")
+# The head dims the table of `turboattn info` lists and the synthetic demo offers: the common ones (the kernels
+# serve every head dim of the format, format/rotation.SUPPORTED_HEAD_DIMS).
+COMMON_HEAD_DIMS = (64, 128, 256, 512)
 
 
 class CLIError(Exception):

@@ -21,8 +21,7 @@ import time
 import torch
 
 from ..format.codec import SCALE_RULES, KVCodec
-from ..ops.cached import TRITON_HEAD_DIMS
-from .args import CLIError, non_negative_int, positive_int, preset, preset_name
+from .args import COMMON_HEAD_DIMS, CLIError, non_negative_int, positive_int, preset, preset_name
 
 PRESETS = ((8, 8), (6, 6), (5, 4), (4, 4), (4, 3), (3, 3), (2, 2))
 DEFAULT_PRESET = (4, 4)
@@ -47,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the model runs (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--synthetic", action="store_true",
                         help="no model: the codec's round-trip error on synthetic K/V, one row per preset")
-    parser.add_argument("--head-dim", type=int, choices=TRITON_HEAD_DIMS, default=128,
+    parser.add_argument("--head-dim", type=int, choices=COMMON_HEAD_DIMS, default=128,
                         help="head_dim of the --synthetic vectors")
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ..format.codec import SUPPORTED_BITS, KVCodec
-from ..ops.cached import TRITON_HEAD_DIMS as TABLE_HEAD_DIMS  # the kernels' head dims: the common ones
+from .args import COMMON_HEAD_DIMS as TABLE_HEAD_DIMS
 
 
 def format_rows(head_dims=TABLE_HEAD_DIMS, bit_pairs=None):

@@ -1,4 +1,4 @@
-"""The kernels' read-only per-device tables (codebooks, signs, Hadamard tiles), made ahead of time.
+"""The kernels' read-only per-device tables (codebooks, signs, Hadamard and Hartley tiles), made ahead of time.
 
 Each table is cached per device on first use.  Made for the first time inside torch.compile's CUDA-graph
 warm-up (mode="reduce-overhead"), a table is allocated from the graph's private memory pool and outlives
@@ -23,11 +23,14 @@ def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
     for bits in {codec.k_bits, codec.v_bits, 4}:
         for dtype in (torch.float32, torch.float16):
             device_centroids(bits, device, dtype)
-    if not importable("triton") or d & (d - 1):   # the kernels serve powers of two only
+    if not importable("triton"):
         return
     from .quantize.triton import cell_tables
-    from .triton_lib import hadamard_tile
-    for n in {d // 2, min(d, 256)}:
+    from .triton_lib import hadamard_tile, kron_tile, padded_factor
+    m, _ = padded_factor(d)
+    # The Hadamard tiles of both kernels' rotations (a placeholder of 16 where the Hartley factor's tile serves).
+    for n in ({d // 2, min(d, 256)} if m == 1 else {16}):
         hadamard_tile(n, device)
+    kron_tile(m, device)
     for bits in {codec.k_bits, codec.v_bits}:
         cell_tables(bits, device)

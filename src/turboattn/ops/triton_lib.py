@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..format.rotation import walsh_hadamard
+from ..format.rotation import hartley, odd_factor, walsh_hadamard
 
 LOG2E = tl.constexpr(1.4426950408889634)   # host code reads LOG2E.value
 LN2 = tl.constexpr(0.6931471805599453)
@@ -30,6 +30,92 @@ def hadamard_tile(n: int, device: torch.device) -> torch.Tensor:
     (entries ±1 are exact), cached per device and read-only."""
     m = min(n, 128)
     return walsh_hadamard(torch.eye(m, dtype=torch.float32)).to(torch.float16).to(device)
+
+
+def padded_factor(head_dim: int) -> tuple[int, int]:
+    """(m, m_pad): head_dim = P * m with m odd, and m_pad = next_power_of_2(m), the kernels' constexprs M, MP.
+
+    A kernel holds a row of n = P * m coordinates in P * m_pad = next_power_of_2(n) columns, the padded
+    layout: column c = p * m_pad + r holds coordinate p * m + r (r < m); the other columns hold zeros.
+    For a power of two (m = 1) it is the plain layout.
+    """
+    m = odd_factor(head_dim)
+    return m, triton.next_power_of_2(m)
+
+
+def kron_width(m_pad: int) -> int:
+    """L = A * m_pad: the columns the dense factor H_A ⊗ Q_m of kron_rows spans (A the least power of two
+    with L >= 16, tl.dot's smallest K and N)."""
+    return max(16, m_pad)
+
+
+@lru_cache(maxsize=None)
+def kron_tile(m: int, device: torch.device) -> torch.Tensor:
+    """The factor kron_rows(., ., ., N, m, m_pad) expects: H_A ⊗ Q_m (Q the orthonormal Hartley matrix)
+    in the padded layout, an [L, L] float32 matrix (rows and columns r >= m zero), cached per device and
+    read-only.  For m = 1 a 16 x 16 placeholder (kron_rows reads no table then)."""
+    m_pad = triton.next_power_of_2(m)
+    width = kron_width(m_pad)
+    a = width // m_pad
+    dense = torch.kron(walsh_hadamard(torch.eye(a, dtype=torch.float64)), hartley(m).to(torch.float32).double())
+    cols = torch.tensor([pa * m_pad + r for pa in range(a) for r in range(m)])
+    tile = torch.zeros(width, width, dtype=torch.float64)
+    tile[cols[:, None], cols[None, :]] = dense
+    return tile.to(torch.float32).to(device)
+
+
+@triton.jit
+def padded_columns(N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+    """(coordinate, holds one) of the padded layout's columns 0..N-1 (padded_factor): c -> (c // MP) * M + c % MP."""
+    c = tl.arange(0, N)
+    if M == 1:
+        return c, c < N
+    return (c // MP) * M + c % MP, c % MP < M
+
+
+@triton.jit
+def padded_mask(rows_ok, cols_ok, M: tl.constexpr):
+    """The [R, N] mask of a tile's rows and (for M > 1) its padded layout's real columns."""
+    if M == 1:
+        return rows_ok[:, None]
+    return rows_ok[:, None] & cols_ok[None, :]
+
+
+@triton.jit
+def _h2_blocks(z, G: tl.constexpr, K: tl.constexpr):
+    """(I_G ⊗ H_2 ⊗ I_K) applied to each row of z [R, G * 2 * K]: one butterfly level, in float32 adds."""
+    R: tl.constexpr = z.shape[0]
+    a, b = tl.split(tl.permute(tl.reshape(z, (R * G, 2, K)), (0, 2, 1)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (R, G * 2 * K))
+
+
+@triton.jit
+def kron_rows(x, had_ptr, kron_ptr, N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+    """(H_P ⊗ Q_M) @ each row of x [R, N] float32 in the padded layout (P = N / MP), unnormalized like H_P.
+
+    M == 1: hadamard_any(x, had_ptr, N).  Otherwise H_P ⊗ Q = H_{P/A} ⊗ (H_A ⊗ Q): the dense factor
+    (kron_ptr, kron_tile(M)) on groups of L = A * MP columns as one float32 product, then H_{P/A} over the
+    groups by butterflies (P/A <= 16 for every supported head dim).  Padded columns stay zero.
+    """
+    if M == 1:
+        return hadamard_any(x, had_ptr, N)
+    R: tl.constexpr = x.shape[0]
+    L: tl.constexpr = 16 if MP < 16 else MP
+    PH: tl.constexpr = N // L
+    tl.static_assert(PH <= 16, "kron_rows: at most 16 groups")
+    offs = tl.arange(0, L)
+    kmat = tl.load(kron_ptr + offs[:, None] * L + offs[None, :])
+    # Row-vector form: H_A ⊗ Q is symmetric.
+    z = tl.reshape(tl.dot(tl.reshape(x, (R * PH, L)), kmat, input_precision="ieee"), (R, N))
+    if PH >= 2:
+        z = _h2_blocks(z, 1, N // 2)
+    if PH >= 4:
+        z = _h2_blocks(z, 2, N // 4)
+    if PH >= 8:
+        z = _h2_blocks(z, 4, N // 8)
+    if PH >= 16:
+        z = _h2_blocks(z, 8, N // 16)
+    return z
 
 
 @triton.jit

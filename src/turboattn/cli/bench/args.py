@@ -12,7 +12,7 @@ SHAPE_FIELDS = ("B", "Hq", "Hkv", "D", "L")
 
 def shape(text: str) -> tuple[int, ...]:
     """"8,32,8,128,32768" -> (B, Hq, Hkv, D, L), Hq a multiple of Hkv, D a supported head dim."""
-    from ...ops.cached import TRITON_HEAD_DIMS  # the benchmarks time the kernels
+    from ...format.rotation import SUPPORTED_HEAD_DIMS  # the kernels serve every one
     try:
         values = tuple(positive_ints(text))
     except argparse.ArgumentTypeError:
@@ -22,8 +22,8 @@ def shape(text: str) -> tuple[int, ...]:
     b, hq, hkv, d, length = values
     if hq % hkv:
         raise argparse.ArgumentTypeError(f"Hq={hq} must be a multiple of Hkv={hkv} in {text!r}")
-    if d not in TRITON_HEAD_DIMS:
-        raise argparse.ArgumentTypeError(f"D={d} must be one of {TRITON_HEAD_DIMS} in {text!r}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise argparse.ArgumentTypeError(f"D={d} must be a multiple of 16 from 32 to 512 in {text!r}")
     return values
 
 

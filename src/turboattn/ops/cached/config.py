@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 
+from ...format.rotation import HEAD_DIM_STEP, SUPPORTED_HEAD_DIMS
 from ..launch import num_splits_for, sm_count
 
 LOOKUPS = ("gather", "lut")
@@ -27,18 +28,21 @@ MIN_KEYS_PER_SPLIT = 1024
 # resident CTAs (a second wave measured slower: each CTA builds its tables and rotates q), splits of at least
 # CUDA_MIN_KEYS_PER_SPLIT keys.
 CUDA_HEAD_DIMS = (64, 128, 256)
-# The Triton kernels of the compressed cache (cached attention, quantize-append) tile the head dim with
-# tl.arange and rotate with the fast Walsh–Hadamard transform: powers of two only, from 64 to 512.  Other
-# head dims run the PyTorch twins (backend.choose never picks these kernels for them).
-TRITON_HEAD_DIMS = (64, 128, 256, 512)
+# The Triton kernels of the compressed cache (cached attention, quantize-append) serve every head dim of the
+# format: powers of two in the plain layout, the others (D = P * m, m odd) in the padded layout of
+# triton_lib.padded_factor (next_power_of_2(D) columns, the Hartley factor as a small dense product).
+TRITON_HEAD_DIMS = SUPPORTED_HEAD_DIMS
 
 
 def check_kernel_head_dim(op: str, head_dim: int) -> None:
     """ValueError naming head_dim unless the Triton kernels of `op` serve it (for callers of the torch op that
     bypass backend.choose)."""
     if head_dim not in TRITON_HEAD_DIMS:
-        raise ValueError(f"the Triton {op} kernel serves head_dim in {TRITON_HEAD_DIMS}, got head_dim={head_dim}; "
+        raise ValueError(f"the Triton {op} kernel serves head_dim a multiple of {HEAD_DIM_STEP} from "
+                         f"{TRITON_HEAD_DIMS[0]} to {TRITON_HEAD_DIMS[-1]}, got head_dim={head_dim}; "
                          "use backend='torch' (or 'auto')")
+
+
 CUDA_BITS = (2, 4, 8)
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
@@ -104,9 +108,12 @@ def _plan_from_tuple(values: tuple[int, ...]) -> DecodePlan:
 
 
 def _tile(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): D = 512 needs smaller key tiles to fit shared memory."""
-    if head_dim == 512:
+    """(BLOCK_N, num_warps, num_stages): D > 256 (512 columns) needs smaller key tiles to fit shared memory, and
+    D = 256 two stages (three asked for 232 KB of an H100's 227 with fresh tokens, sinks and a key transform)."""
+    if head_dim > 256:
         return 32, 4, 2
+    if head_dim > 128:
+        return 64, 4, 2
     return 64, 4, 3
 
 
@@ -127,7 +134,8 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         row_blocks = -(-query_rows // block_m)
         num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,
                                     programs_per_sm or PROGRAMS_PER_SM, max(MIN_KEYS_PER_SPLIT, 4 * block_n))
-    lookup = "lut" if device.type == "cuda" else "gather"  # the LUT is inline PTX: no interpreter
+    # The LUT is inline PTX (no interpreter) over the plain layout's contiguous bytes (powers of two only).
+    lookup = "lut" if device.type == "cuda" and head_dim & (head_dim - 1) == 0 else "gather"
     if head_dim == 64 and block_m == 64 and (k_bits == 4) != (v_bits == 4):
         # Triton 3.6 miscompiles this mix (one side through the asm LUT, the other through the
         # gather) at D = 64 with 64-row tiles: illegal shared-memory reads or NaN on an H200

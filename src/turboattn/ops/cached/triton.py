@@ -27,6 +27,15 @@ split programs skip positions < starts + S, and the extra program attends the
 rows of first_k / first_v (position starts + j in row j, visible once
 starts + j < seen) before the window, whose rows below starts + S it skips
 (the first-token rows win), then the fresh tokens.
+
+Head dims that are not powers of two (D = P * m, m odd): each half is held in
+the padded layout (triton_lib.padded_factor: next_power_of_2(D / 2) columns,
+half-coordinate p * m + r in column p * next_power_of_2(m) + r, zeros in the
+rest), so the rotation H_P ⊗ Q_m keeps the butterfly into halves and runs as
+triton_lib.kron_rows on each; code bytes, signs and rows are read through the
+column -> coordinate map, and the parts (o_part) are stored padded, which the
+merge reads back before rotating and storing the real columns.  M = 1 (powers
+of two) compiles to the plain layout's code.
 """
 
 from __future__ import annotations
@@ -42,45 +51,58 @@ from ...format.codec import KVCodec
 from ...format.key_transform import to_stored_keys, to_stored_queries
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs, rotate
-from ..triton_lib import (LOG2E, finish_split, hadamard_any, hadamard_tile, key_transform_rows, merge_splits,
-                          online_softmax, tanh)
+from ..triton_lib import (LOG2E, finish_split, hadamard_tile, key_transform_rows, kron_rows, kron_tile,
+                          merge_splits, online_softmax, padded_columns, padded_factor, padded_mask, tanh)
 from .config import DecodePlan, check_kernel_head_dim, plan_decode
 from .lut import lut4_asm
 
 
 @triton.jit
+def _load_bytes(ptrs, mask, VEC: tl.constexpr, M: tl.constexpr):
+    """Code bytes at ptrs: aligned, contiguous runs of VEC in the plain layout (M == 1); gathers through the
+    padded layout's map otherwise."""
+    if M == 1:
+        return tl.load(tl.max_contiguous(tl.multiple_of(ptrs, [1, VEC]), [1, VEC]), mask=mask, other=0)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def _plane_values(row_ptr, coord, mask, W: tl.constexpr, P: tl.constexpr, OFFSET: tl.constexpr,
-                  VEC: tl.constexpr):
+                  VEC: tl.constexpr, M: tl.constexpr):
     """Bits of one plane (width W, P bytes, starting OFFSET bytes into the row) for coordinates `coord`."""
     if W == 8:
-        return tl.load(tl.max_contiguous(tl.multiple_of(row_ptr + OFFSET + coord, [1, VEC]), [1, VEC]), mask=mask, other=0).to(tl.int32)
-    byte = tl.load(tl.max_contiguous(tl.multiple_of(row_ptr + OFFSET + coord % P, [1, VEC]), [1, VEC]), mask=mask, other=0).to(tl.int32)
+        return _load_bytes(row_ptr + OFFSET + coord, mask, VEC, M).to(tl.int32)
+    byte = _load_bytes(row_ptr + OFFSET + coord % P, mask, VEC, M).to(tl.int32)
     return (byte >> (W * (coord // P))) & ((1 << W) - 1)
 
 
 @triton.jit
 def _load_centroids(codes_ptr, rows, valid, cb_ptr, D: tl.constexpr, BITS: tl.constexpr,
-                    W0: tl.constexpr, W1: tl.constexpr, VEC: tl.constexpr):
-    """Centroid values (float16) of code rows `rows` [BLOCK_N] as two halves [BLOCK_N, D/2]."""
+                    W0: tl.constexpr, W1: tl.constexpr, VEC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+    """Centroid values (float16) of code rows `rows` [BLOCK_N] as two halves [BLOCK_N, HP] (HP = D/2 columns,
+    the padded layout's when M > 1: its padded columns get centroid 0's value, which meets only zeros of q and
+    columns the merge drops)."""
     HALF: tl.constexpr = D // 2
+    HP: tl.constexpr = HALF // M * MP
     CB: tl.constexpr = D * BITS // 8
     row_ptr = codes_ptr + rows[:, None].to(tl.int64) * CB
-    offs = tl.arange(0, HALF)[None, :]
-    mask = valid[:, None]
+    coord, cols_ok = padded_columns(HP, M, MP)
+    offs = coord[None, :]
+    mask = padded_mask(valid, cols_ok, M)
     if W0 == 4:
         # One byte load serves both halves: low nibble = coordinate c, high = c + D/2.
-        byte = tl.load(tl.max_contiguous(tl.multiple_of(row_ptr + offs, [1, VEC]), [1, VEC]), mask=mask, other=0).to(tl.int32)
+        byte = _load_bytes(row_ptr + offs, mask, VEC, M).to(tl.int32)
         idx_lo = byte & 15
         idx_hi = byte >> 4
     else:
         P0: tl.constexpr = D * W0 // 8
-        idx_lo = _plane_values(row_ptr, offs, mask, W0, P0, 0, VEC)
-        idx_hi = _plane_values(row_ptr, offs + HALF, mask, W0, P0, 0, VEC)
+        idx_lo = _plane_values(row_ptr, offs, mask, W0, P0, 0, VEC, M)
+        idx_hi = _plane_values(row_ptr, offs + HALF, mask, W0, P0, 0, VEC, M)
     if W1 > 0:
         P0b: tl.constexpr = D * W0 // 8
         P1: tl.constexpr = D * W1 // 8
-        idx_lo = idx_lo | (_plane_values(row_ptr, offs, mask, W1, P1, P0b, VEC) << W0)
-        idx_hi = idx_hi | (_plane_values(row_ptr, offs + HALF, mask, W1, P1, P0b, VEC) << W0)
+        idx_lo = idx_lo | (_plane_values(row_ptr, offs, mask, W1, P1, P0b, VEC, M) << W0)
+        idx_hi = idx_hi | (_plane_values(row_ptr, offs + HALF, mask, W1, P1, P0b, VEC, M) << W0)
     return tl.load(cb_ptr + idx_lo), tl.load(cb_ptr + idx_hi)
 
 
@@ -96,39 +118,59 @@ def _load_centroids_lut4(codes_ptr, rows, valid, lut_asm: tl.constexpr, D: tl.co
 
 @triton.jit
 def _centroid_halves(codes_ptr, rows, valid, cb_ptr, D: tl.constexpr, BITS: tl.constexpr,
-                     W0: tl.constexpr, W1: tl.constexpr, LUT_ASM: tl.constexpr, VEC: tl.constexpr):
-    """LUT_ASM == "": gather from the table (any width, interpreter); else the register LUT."""
+                     W0: tl.constexpr, W1: tl.constexpr, LUT_ASM: tl.constexpr, VEC: tl.constexpr,
+                     M: tl.constexpr, MP: tl.constexpr):
+    """LUT_ASM == "": gather from the table (any width, interpreter, padded layouts); else the register LUT."""
     if LUT_ASM == "":
-        return _load_centroids(codes_ptr, rows, valid, cb_ptr, D, BITS, W0, W1, VEC)
+        return _load_centroids(codes_ptr, rows, valid, cb_ptr, D, BITS, W0, W1, VEC, M, MP)
     return _load_centroids_lut4(codes_ptr, rows, valid, LUT_ASM, D)
 
 
 @triton.jit
-def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, factor, D: tl.constexpr, PRE_ROTATED: tl.constexpr,
-                   sub_ptr, mul_ptr, AFFINE: tl.constexpr, SUB: tl.constexpr):
-    """Rows x [R, D] at row_ptr -> R x' * factor as float16 halves, R = H (s * .) / sqrt(D).
+def _load_vector(ptr, offs, cols_ok, M: tl.constexpr):
+    """A per-coordinate vector at the columns' coordinates offs [1, N] (zero in padded columns when M > 1)."""
+    if M == 1:
+        return tl.load(ptr + offs)
+    return tl.load(ptr + offs, mask=cols_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, kron_ptr, factor, D: tl.constexpr,
+                   PRE_ROTATED: tl.constexpr, sub_ptr, mul_ptr, AFFINE: tl.constexpr, SUB: tl.constexpr,
+                   M: tl.constexpr, MP: tl.constexpr):
+    """Rows x [R, D] at row_ptr -> R x' * factor as float16 halves, R = (H_P ⊗ Q_M) (s * .) / sqrt(P).
 
     x' = (x - sub) * mul with per-channel vectors [D] (the key transform) when AFFINE (sub only
-    when SUB), else x' = x.  H_D = [[H, H], [H, -H]] with H = H_{D/2}: one butterfly, then two
-    H_{D/2} products.  PRE_ROTATED: the host already stored R x' * factor (D = 512, see
-    cached_attention_triton).
+    when SUB), else x' = x.  H_P ⊗ Q = [[H, H], [H, -H]] with H = H_{P/2} ⊗ Q: one butterfly, then
+    two half-size products (kron_rows; H_{D/2} for M == 1).  PRE_ROTATED: the host already stored
+    R x' * factor (D > 256, see launch_parts).  M > 1: the halves come back in the padded layout.
     """
     HALF: tl.constexpr = D // 2
-    offs = tl.arange(0, HALF)[None, :]
-    x_lo = tl.load(row_ptr[:, None] + offs, mask=row_ok[:, None], other=0.0)
-    x_hi = tl.load(row_ptr[:, None] + HALF + offs, mask=row_ok[:, None], other=0.0)
+    HP: tl.constexpr = HALF // M * MP
+    coord, cols_ok = padded_columns(HP, M, MP)
+    offs = coord[None, :]
+    mask = padded_mask(row_ok, cols_ok, M)
+    x_lo = tl.load(row_ptr[:, None] + offs, mask=mask, other=0.0)
+    x_hi = tl.load(row_ptr[:, None] + HALF + offs, mask=mask, other=0.0)
     if PRE_ROTATED:
         return x_lo.to(tl.float16), x_hi.to(tl.float16)
     x_lo = x_lo.to(tl.float32)
     x_hi = x_hi.to(tl.float32)
     if AFFINE:
-        x_lo = key_transform_rows(x_lo, sub_ptr, mul_ptr, offs, SUB)
-        x_hi = key_transform_rows(x_hi, sub_ptr, mul_ptr, HALF + offs, SUB)
-    x_lo = x_lo * tl.load(signs_ptr + offs)
-    x_hi = x_hi * tl.load(signs_ptr + HALF + offs)
-    factor = factor / tl.sqrt(D * 1.0)
-    y_lo = hadamard_any(x_lo + x_hi, had_ptr, HALF) * factor
-    y_hi = hadamard_any(x_lo - x_hi, had_ptr, HALF) * factor
+        if M == 1:
+            x_lo = key_transform_rows(x_lo, sub_ptr, mul_ptr, offs, SUB)
+            x_hi = key_transform_rows(x_hi, sub_ptr, mul_ptr, HALF + offs, SUB)
+        else:
+            if SUB:
+                x_lo = x_lo - _load_vector(sub_ptr, offs, cols_ok, M)
+                x_hi = x_hi - _load_vector(sub_ptr + HALF, offs, cols_ok, M)
+            x_lo = x_lo * _load_vector(mul_ptr, offs, cols_ok, M)
+            x_hi = x_hi * _load_vector(mul_ptr + HALF, offs, cols_ok, M)
+    x_lo = x_lo * _load_vector(signs_ptr, offs, cols_ok, M)
+    x_hi = x_hi * _load_vector(signs_ptr + HALF, offs, cols_ok, M)
+    factor = factor / tl.sqrt((D // M) * 1.0)
+    y_lo = kron_rows(x_lo + x_hi, had_ptr, kron_ptr, HP, M, MP) * factor
+    y_hi = kron_rows(x_lo - x_hi, had_ptr, kron_ptr, HP, M, MP) * factor
     return y_lo.to(tl.float16), y_hi.to(tl.float16)
 
 
@@ -160,17 +202,17 @@ def _finish_scores(s, SOFTCAP: tl.constexpr, softcap):
 
 @triton.jit
 def _attend_exact(k_rows, v_rows, valid, pos, qpos, start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi,
-                  signs_ptr, had_ptr, key_sub_ptr, key_mul_ptr, softcap, D: tl.constexpr, PRE_ROTATED: tl.constexpr,
-                  KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr):
+                  signs_ptr, had_ptr, kron_ptr, key_sub_ptr, key_mul_ptr, softcap, D: tl.constexpr,
+                  PRE_ROTATED: tl.constexpr, KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
     """One tile of full-precision keys (fresh k/v or the exact window) at row pointers k_rows, v_rows
     [BLOCK_N] and positions pos: rotated (and key-transformed) here unless PRE_ROTATED, then an online
     softmax step.  A key is seen by query row i when valid, pos >= start, pos <= qpos[i] and, with a
     window, qpos[i] - pos < window."""
-    k_lo, k_hi = _rotate_halves(k_rows, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
-                                key_sub_ptr, key_mul_ptr, KEY_XFORM, KEY_SHIFT)
-    v_lo, v_hi = _rotate_halves(v_rows, valid, signs_ptr, had_ptr, 1.0, D, PRE_ROTATED,
-                                key_sub_ptr, key_mul_ptr, False, False)
+    k_lo, k_hi = _rotate_halves(k_rows, valid, signs_ptr, had_ptr, kron_ptr, 1.0, D, PRE_ROTATED,
+                                key_sub_ptr, key_mul_ptr, KEY_XFORM, KEY_SHIFT, M, MP)
+    v_lo, v_hi = _rotate_halves(v_rows, valid, signs_ptr, had_ptr, kron_ptr, 1.0, D, PRE_ROTATED,
+                                key_sub_ptr, key_mul_ptr, False, False, M, MP)
     # A non-finite k or v row: NaN score (for the queries that see it), zero value row (for the rest).
     bad = _nonfinite_rows(k_lo, k_hi) | _nonfinite_rows(v_lo, v_hi)
     v_lo = tl.where(bad[:, None], 0.0, v_lo)
@@ -192,7 +234,7 @@ def _attend_exact(k_rows, v_rows, valid, pos, qpos, start, row_ok, window, q_lo,
 @triton.jit
 def _cached_attention_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_codes, k_scales, v_codes, v_scales, k_cb, v_cb,
-    kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr,
+    kf_ptr, vf_ptr, sf_b, sf_h, sf_t, seen_ptr, starts_ptr, o_part, lse_part, signs_ptr, had_ptr, kron_ptr,
     key_shift_ptr, key_gain_ptr, key_gain_inv_ptr, rk_ptr, rv_ptr, sr_b, sr_h, sr_t, exact_recent,
     fk_ptr, fv_ptr, si_b, si_h, si_t, exact_first,
     q_scale, softcap, Tq, N, window, num_kv_heads, num_splits, num_parts,
@@ -202,9 +244,10 @@ def _cached_attention_kernel(
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, K_LUT: tl.constexpr, V_LUT: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, PRE_ROTATED: tl.constexpr,
     KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, EXACT: tl.constexpr, FIRST: tl.constexpr,
+    M: tl.constexpr, MP: tl.constexpr,
 ):
-    HALF: tl.constexpr = D // 2
-    NB: tl.constexpr = 2 if D == 512 else 1
+    HP: tl.constexpr = D // 2 // M * MP   # a half's columns (D / 2 for M == 1)
+    NB: tl.constexpr = 2 if D > 256 else 1   # norm blocks: the halves above 256 coordinates
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b, kvh, rows_total, row, row_ok, t, g = _group_rows(bh, tl.program_id(2), num_kv_heads, Tq, G, BLOCK_M)
@@ -216,18 +259,18 @@ def _cached_attention_kernel(
     else:
         qpos = seen - Tq + t
 
-    offs_h = tl.arange(0, HALF)
+    offs_h = tl.arange(0, HP)
     q_row = q_ptr + (b * sq_b + (kvh * G + g) * sq_h + t * sq_t)
     # Key transform (key_transform.py): scores are taken in the stored domain, q / gain against
     # (k - shift) * gain; a per-query constant apart from q . k, which softmax ignores.
     xf = (b * num_kv_heads + kvh) * D
-    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, q_scale, D, PRE_ROTATED,
-                                key_shift_ptr + xf, key_gain_inv_ptr + xf, KEY_XFORM, False)
+    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, kron_ptr, q_scale, D, PRE_ROTATED,
+                                key_shift_ptr + xf, key_gain_inv_ptr + xf, KEY_XFORM, False, M, MP)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HP], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HP], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     qpos_max = tl.max(tl.where(row_ok, qpos, 0))
 
@@ -251,7 +294,7 @@ def _cached_attention_kernel(
             else:
                 pos = slot
             rows = cache_row0 + slot
-            k_lo, k_hi = _centroid_halves(k_codes, rows, valid, k_cb, D, K_BITS, K_W0, K_W1, K_LUT, K_VEC)
+            k_lo, k_hi = _centroid_halves(k_codes, rows, valid, k_cb, D, K_BITS, K_W0, K_W1, K_LUT, K_VEC, M, MP)
             # A NaN V scale (non-finite value) moves to the K scale: the score carries it to the
             # queries that see the key, and p = 0 of the others never meets it.
             if NB == 1:
@@ -278,7 +321,7 @@ def _cached_attention_kernel(
                 keep = keep & (pos[None, :] < seen - exact_recent)
             s = tl.where(keep, s, float("-inf"))
             p, m, alpha, l = online_softmax(s, m, l, True)
-            v_lo, v_hi = _centroid_halves(v_codes, rows, valid, v_cb, D, V_BITS, V_W0, V_W1, V_LUT, V_VEC)
+            v_lo, v_hi = _centroid_halves(v_codes, rows, valid, v_cb, D, V_BITS, V_W0, V_W1, V_LUT, V_VEC, M, MP)
             if NB == 1:
                 pv = (p * vs[None, :]).to(tl.float16)
                 acc_lo = tl.dot(pv, v_lo, acc=acc_lo * alpha[:, None])
@@ -296,8 +339,8 @@ def _cached_attention_kernel(
                 m, l, acc_lo, acc_hi = _attend_exact(
                     fk_ptr + first_base + j * si_t, fv_ptr + first_base + j * si_t, (j < exact_first) & (pos < seen),
                     pos, qpos, start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr,
-                    key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP,
-                    HAS_WINDOW)
+                    kron_ptr, key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT,
+                    SOFTCAP, HAS_WINDOW, M, MP)
         if EXACT:
             # The exact window: row r holds the position p in [seen - R, seen) with p = r (mod R).
             ring_base = b * sr_b + kvh * sr_h
@@ -310,8 +353,8 @@ def _cached_attention_kernel(
                     valid = valid & (pos >= start + exact_first)   # the first-token rows win
                 m, l, acc_lo, acc_hi = _attend_exact(
                     rk_ptr + ring_base + r * sr_t, rv_ptr + ring_base + r * sr_t, valid, pos, qpos, start, row_ok,
-                    window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr, key_shift_ptr + xf,
-                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW)
+                    window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr, kron_ptr, key_shift_ptr + xf,
+                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW, M, MP)
         if HAS_FRESH:
             # Fresh full-precision keys at positions seen + j, causal among themselves.
             t_max = tl.minimum((tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
@@ -321,48 +364,62 @@ def _cached_attention_kernel(
                 m, l, acc_lo, acc_hi = _attend_exact(
                     kf_ptr + fresh_base + j * sf_t, vf_ptr + fresh_base + j * sf_t, j <= t_max, seen + j, qpos,
                     start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr,
-                    key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP,
-                    HAS_WINDOW)
+                    kron_ptr, key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT,
+                    SOFTCAP, HAS_WINDOW, M, MP)
 
     out_lo, lse = finish_split(acc_lo, m, l)
     out_hi, lse = finish_split(acc_hi, m, l)
     part = (bh * num_parts + split).to(tl.int64) * rows_total + row
     tl.store(lse_part + part, lse, mask=row_ok)
-    o_ptr = o_part + part[:, None] * D + offs_h[None, :]
+    o_ptr = o_part + part[:, None] * (2 * HP) + offs_h[None, :]   # rows of 2 * HP floats: D for M == 1
     tl.store(o_ptr, out_lo, mask=row_ok[:, None])
-    tl.store(o_ptr + HALF, out_hi, mask=row_ok[:, None])
+    tl.store(o_ptr + HP, out_hi, mask=row_ok[:, None])
 
 
 @triton.jit
 def _merge_reduce_kernel(
-    o_part, lse_part, sinks_ptr, signs_ptr, had_ptr, out_ptr, Tq, num_kv_heads, num_parts,
+    o_part, lse_part, sinks_ptr, signs_ptr, had_ptr, kron_ptr, out_ptr, Tq, num_kv_heads, num_parts,
     D: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr,
+    M: tl.constexpr, MP: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
+    HP: tl.constexpr = HALF // M * MP   # a half's columns in the parts (D / 2 for M == 1)
+    DP: tl.constexpr = 2 * HP
     bh = tl.program_id(0)
     b, kvh, rows_total, row, row_ok, t, g = _group_rows(bh, tl.program_id(1), num_kv_heads, Tq, G, BLOCK_R)
     head = kvh * G + g
-    offs_h = tl.arange(0, HALF)
+    offs_h, cols_ok = padded_columns(HP, M, MP)
 
     sink = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * LOG2E
     first = (bh * num_parts).to(tl.int64) * rows_total + row
-    offs_d = tl.arange(0, D)
-    y, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, offs_d, row_ok, offs_d < D, sink,
-                          BLOCK_R, D, D)
-    y_lo, y_hi = tl.split(tl.permute(tl.reshape(y, (BLOCK_R, 2, HALF)), (0, 2, 1)))
+    offs_d = tl.arange(0, DP)
+    y, lse = merge_splits(o_part, lse_part, first, rows_total, num_parts, offs_d, row_ok, offs_d < DP, sink,
+                          BLOCK_R, DP, DP)
+    y_lo, y_hi = tl.split(tl.permute(tl.reshape(y, (BLOCK_R, 2, HP)), (0, 2, 1)))
+    if M > 1:   # the padded columns hold centroid values of no coordinate: drop them before the rotation
+        y_lo = tl.where(cols_ok[None, :], y_lo, 0.0)
+        y_hi = tl.where(cols_ok[None, :], y_hi, 0.0)
 
-    # Rotate back: x = s * (H y) / sqrt(D), with H_D = [[H, H], [H, -H]] for H = H_{D/2}.
-    x_lo = hadamard_any(y_lo + y_hi, had_ptr, HALF)
-    x_hi = hadamard_any(y_lo - y_hi, had_ptr, HALF)
-    norm = 1.0 / tl.sqrt(D * 1.0)
-    x_lo = x_lo * tl.load(signs_ptr + offs_h)[None, :] * norm
-    x_hi = x_hi * tl.load(signs_ptr + HALF + offs_h)[None, :] * norm
+    # Rotate back: x = s * ((H_P ⊗ Q) y) / sqrt(P), with H_P ⊗ Q = [[H, H], [H, -H]] for H = H_{P/2} ⊗ Q.
+    x_lo = kron_rows(y_lo + y_hi, had_ptr, kron_ptr, HP, M, MP)
+    x_hi = kron_rows(y_lo - y_hi, had_ptr, kron_ptr, HP, M, MP)
+    norm = 1.0 / tl.sqrt((D // M) * 1.0)
+    x_lo = x_lo * _load_vector(signs_ptr, offs_h[None, :], cols_ok, M) * norm
+    x_hi = x_hi * _load_vector(signs_ptr + HALF, offs_h[None, :], cols_ok, M) * norm
     out_row = out_ptr + ((b * num_kv_heads * G + head).to(tl.int64) * Tq + t) * D
     o_ptr = out_row[:, None] + offs_h[None, :]
-    tl.store(o_ptr, x_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(o_ptr + HALF, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    mask = padded_mask(row_ok, cols_ok, M)
+    tl.store(o_ptr, x_lo.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + HALF, x_hi.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotation_tables(d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(had_ptr, kron_ptr) of the kernels' half-size rotations: H_{D/2}'s tile for a power of two, the
+    Hartley factor's (triton_lib.kron_tile) otherwise; the other one is a placeholder the kernel never reads."""
+    m, _ = padded_factor(d)
+    return hadamard_tile(d // 2 if m == 1 else 16, device), kron_tile(m, device)
 
 
 def query_scale(d: int, scale: float | None, softcap: float | None) -> float:
@@ -374,10 +431,12 @@ def query_scale(d: int, scale: float | None, softcap: float | None) -> float:
 
 
 def part_buffers(q: torch.Tensor, num_kv_heads: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_part, lse_part): every part's normalized output [B * Hkv * parts * rows, D] and log2-sum-exp."""
+    """(o_part, lse_part): every part's normalized output [B * Hkv * parts * rows, next_power_of_2(D)] (the
+    padded layout's columns: D for a power of two) and log2-sum-exp."""
     b, hq, tq, d = q.shape
     rows = tq * (hq // num_kv_heads)
-    o_part = torch.empty(b * num_kv_heads * parts * rows * d, dtype=torch.float32, device=q.device)
+    width = triton.next_power_of_2(d)
+    o_part = torch.empty(b * num_kv_heads * parts * rows * width, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b * num_kv_heads * parts * rows, dtype=torch.float32, device=q.device)
     return o_part, lse_part
 
@@ -397,8 +456,9 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     fk, fv = layout.first_k, layout.first_v
     parts = plan.num_splits + int(has_fresh or exact or first)
     # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
-    # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.
-    pre_rotated = d == 512
+    # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.  The other head
+    # dims above 256 have halves of 256 columns too, and do the same.
+    pre_rotated = d > 256
     key_xform = layout.has_key_transform
     if pre_rotated:
         if key_xform:  # the host rotates, so it applies the key transform too
@@ -436,7 +496,8 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     rows = tq * group
     row_blocks = triton.cdiv(rows, plan.block_m)
     k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
-    use_lut = plan.lookup == "lut"
+    m, m_pad = padded_factor(d)
+    use_lut = plan.lookup == "lut" and m == 1   # the LUT reads the plain layout's contiguous bytes
     k_lut = lut4_asm() if use_lut and codec.k_bits == 4 else ""
     v_lut = lut4_asm() if use_lut and codec.v_bits == 4 else ""
     window = layout.sliding_window or 0
@@ -445,7 +506,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         layout.v_scales, device_centroids(codec.k_bits, dev, torch.float16),
         device_centroids(codec.v_bits, dev, torch.float16),
         kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
-        device_signs(d, dev), hadamard_tile(d // 2, dev),
+        device_signs(d, dev), *rotation_tables(d, dev),
         *(layout.key_shift, layout.key_gain, layout.key_gain_inv) if key_xform else (o_part,) * 3,
         rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), layout.exact_recent,
         fk, fv, fk.stride(0), fk.stride(1), fk.stride(2), layout.exact_first,
@@ -457,7 +518,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         HAS_WINDOW=window > 0, SOFTCAP=softcap is not None, K_LUT=k_lut, V_LUT=v_lut,
         K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
         PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted, EXACT=exact,
-        FIRST=first,
+        FIRST=first, M=m, MP=m_pad,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
@@ -468,10 +529,11 @@ def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, sinks: torch.Tens
     b, hq, tq, d = out.shape
     group = hq // num_kv_heads
     block_r = 16
+    m, m_pad = padded_factor(d)
     _merge_reduce_kernel[(b * num_kv_heads, triton.cdiv(tq * group, block_r))](
         o_part, lse_part, sinks if sinks is not None else lse_part, device_signs(d, out.device),
-        hadamard_tile(d // 2, out.device), out, tq, num_kv_heads, parts,
-        D=d, G=group, BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=4,
+        *rotation_tables(d, out.device), out, tq, num_kv_heads, parts,
+        D=d, G=group, BLOCK_R=block_r, HAS_SINKS=sinks is not None, M=m, MP=m_pad, num_warps=4,
     )
 
 

@@ -8,6 +8,15 @@ codes and scales into the cache slots (ring slots wrap modulo the window).
 Like codec.quantize, each vector is first scaled by a power of two (exact) so
 its norms cannot overflow or underflow, and a vector holding a NaN or infinity
 is stored as codes 0 and NaN scales and counted in the cache's counter.
+
+Head dims that are not powers of two (D = P * m, m odd) are held in the padded
+layout (triton_lib.padded_factor: next_power_of_2(D) columns, coordinate
+p * m + r in column p * next_power_of_2(m) + r, zeros elsewhere), where the
+rotation H_P ⊗ Q_m is a product with a small dense factor and butterflies
+(triton_lib.kron_rows), and where the codec's planar packing is still a
+reshape: a plane's slot is the top bits of p.  Loads and stores go through
+the column -> coordinate map; for powers of two (M = 1) every step compiles
+to the plain layout's code.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from ...format import codebook
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from ..triton_lib import hadamard_any, hadamard_tile
+from ..triton_lib import kron_rows, kron_tile, padded_columns, padded_factor, padded_mask, hadamard_tile
 from ..cached.config import check_kernel_head_dim
 from .config import plan_quantize
 
@@ -72,23 +81,36 @@ def _magnitude_exponent(amax):
 
 
 @triton.jit
-def _load_finite(base, offs_d, valid, sub_ptr, mul_ptr, AFFINE: tl.constexpr):
+def _load_vector(ptr, offs_d, cols_ok, M: tl.constexpr):
+    """A per-coordinate vector at the columns' coordinates offs_d (zero in padded columns when M > 1)."""
+    if M == 1:
+        return tl.load(ptr + offs_d)
+    return tl.load(ptr + offs_d, mask=cols_ok, other=0.0)
+
+
+@triton.jit
+def _load_finite(base, offs_d, valid, cols_ok, sub_ptr, mul_ptr, AFFINE: tl.constexpr, M: tl.constexpr):
     """Rows of BLK inputs (key transform applied when AFFINE) with non-finite entries zeroed, and
-    whether each row had one."""
-    x = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    whether each row had one.  offs_d: the columns' coordinates (padded layout when M > 1)."""
+    x = tl.load(base + offs_d[None, :], mask=padded_mask(valid, cols_ok, M), other=0.0).to(tl.float32)
     if AFFINE:  # the key transform: (x - shift) * gain
-        x = (x - tl.load(sub_ptr + offs_d)[None, :]) * tl.load(mul_ptr + offs_d)[None, :]
+        x = (x - _load_vector(sub_ptr, offs_d, cols_ok, M)[None, :]) * _load_vector(mul_ptr, offs_d, cols_ok, M)[None, :]
     ok = tl.abs(x) < float("inf")  # False for NaN too
     return tl.where(ok, x, 0.0), tl.min(ok.to(tl.int32), axis=1) == 0
 
 
 @triton.jit
-def _encode_block(y, cb_ptr, bounds_ptr, grid_ptr, BITS: tl.constexpr, RULE: tl.constexpr, BLK: tl.constexpr):
-    """y [R, BLK] (rotated, up to a common factor) -> (cell indices, scale per row in y's units)."""
+def _encode_block(y, cols_ok, cb_ptr, bounds_ptr, grid_ptr, BITS: tl.constexpr, RULE: tl.constexpr,
+                  BLK: tl.constexpr, M: tl.constexpr):
+    """y [R, BLK_P] (rotated, up to a common factor; BLK coordinates, padded layout when M > 1, whose padded
+    columns hold zeros) -> (cell indices, scale per row in y's units)."""
     sumsq = tl.sum(y * y, axis=1)
     rms = tl.sqrt(sumsq / BLK)
     safe = tl.where(rms > 0, rms, 1.0)
     idx, c = _cell_index(y / safe[:, None], bounds_ptr, grid_ptr, cb_ptr, RULE != 0)
+    if M > 1:
+        if RULE != 0:   # a padded column's cell (that of 0) is no centroid of the block
+            c = tl.where(cols_ok[None, :], c, 0.0)
     if RULE == 0:
         scale = rms
     else:
@@ -112,29 +134,46 @@ def _plane_bytes(idx, SHIFT: tl.constexpr, W: tl.constexpr, FIRST_SLOT: tl.const
 
 
 @triton.jit
+def _store_bytes(ptrs, values, mask, cols_ok, VEC: tl.constexpr, M: tl.constexpr):
+    """Store a tile of code bytes; M > 1: ptrs follow the padded layout's map, so neither aligned nor contiguous."""
+    if M == 1:
+        tl.store(tl.max_contiguous(tl.multiple_of(ptrs, [1, VEC]), [1, VEC]), values.to(tl.uint8), mask=mask[:, None])
+    else:
+        tl.store(ptrs, values.to(tl.uint8), mask=mask[:, None] & cols_ok[None, :])
+
+
+@triton.jit
 def _store_planes(idx0, idx1, row_ptr, mask, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                  BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, VEC: tl.constexpr):
-    """Pack up to two planes (W0 low bits, W1 high bits) from one or two norm blocks and store them."""
+                  BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, VEC: tl.constexpr,
+                  M: tl.constexpr, MP: tl.constexpr):
+    """Pack up to two planes (W0 low bits, W1 high bits) from one or two norm blocks and store them.
+
+    M > 1: idx0, idx1 are in the padded layout (BLK_P columns for BLK coordinates).  A plane of P bytes holds
+    coordinate i in byte i % P, slot i // P; with i = p * M + r and P = P_h * M, the slot is p // P_h and the
+    byte's padded column is (p % P_h) * MP + r: the same reshape as for powers of two, at padded widths."""
     BLK: tl.constexpr = D // NB
+    BLK_P: tl.constexpr = BLK // M * MP
     if W0 == 8:
-        offs = tl.arange(0, BLK)
-        tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + offs[None, :], [1, VEC]), [1, VEC]), idx0.to(tl.uint8), mask=mask[:, None])
+        offs, ok = padded_columns(BLK_P, M, MP)
+        _store_bytes(row_ptr[:, None] + offs[None, :], idx0, mask, ok, VEC, M)
         if NB == 2:
-            tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + BLK + offs[None, :], [1, VEC]), [1, VEC]), idx1.to(tl.uint8), mask=mask[:, None])
+            _store_bytes(row_ptr[:, None] + BLK + offs[None, :], idx1, mask, ok, VEC, M)
     else:
         P0: tl.constexpr = D * W0 // 8
-        b0 = _plane_bytes(idx0, 0, W0, 0, R, BLK, P0)
+        P0_P: tl.constexpr = P0 // M * MP
+        b0 = _plane_bytes(idx0, 0, W0, 0, R, BLK_P, P0_P)
         if NB == 2:
-            b0 = b0 | _plane_bytes(idx1, 0, W0, BLK // P0, R, BLK, P0)
-        offs0 = tl.arange(0, P0)
-        tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + offs0[None, :], [1, VEC]), [1, VEC]), b0.to(tl.uint8), mask=mask[:, None])
+            b0 = b0 | _plane_bytes(idx1, 0, W0, BLK // P0, R, BLK_P, P0_P)
+        offs0, ok0 = padded_columns(P0_P, M, MP)
+        _store_bytes(row_ptr[:, None] + offs0[None, :], b0, mask, ok0, VEC, M)
         if W1 > 0:
             P1: tl.constexpr = D * W1 // 8
-            b1 = _plane_bytes(idx0, W0, W1, 0, R, BLK, P1)
+            P1_P: tl.constexpr = P1 // M * MP
+            b1 = _plane_bytes(idx0, W0, W1, 0, R, BLK_P, P1_P)
             if NB == 2:
-                b1 = b1 | _plane_bytes(idx1, W0, W1, BLK // P1, R, BLK, P1)
-            offs1 = tl.arange(0, P1)
-            tl.store(tl.max_contiguous(tl.multiple_of(row_ptr[:, None] + P0 + offs1[None, :], [1, VEC]), [1, VEC]), b1.to(tl.uint8), mask=mask[:, None])
+                b1 = b1 | _plane_bytes(idx1, W0, W1, BLK // P1, R, BLK_P, P1_P)
+            offs1, ok1 = padded_columns(P1_P, M, MP)
+            _store_bytes(row_ptr[:, None] + P0 + offs1[None, :], b1, mask, ok1, VEC, M)
 
 
 @triton.jit
@@ -154,47 +193,51 @@ def _store_scale(ptr, s, bad, valid, BF16: tl.constexpr):
 
 @triton.jit
 def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, sub_ptr, mul_ptr,
-                 count_ptr, D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                 codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, kron_ptr, sub_ptr,
+                 mul_ptr, count_ptr, D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                  RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr,
-                 AFFINE: tl.constexpr, COUNT: tl.constexpr, BF16_SCALES: tl.constexpr):
-    NB: tl.constexpr = 2 if D == 512 else 1
+                 AFFINE: tl.constexpr, COUNT: tl.constexpr, BF16_SCALES: tl.constexpr,
+                 M: tl.constexpr, MP: tl.constexpr):
+    # Norm blocks: the whole row up to 256 coordinates, else its two halves (codec.KVCodec.num_blocks).
+    NB: tl.constexpr = 2 if D > 256 else 1
     BLK: tl.constexpr = D // NB
+    BLK_P: tl.constexpr = BLK // M * MP   # the block's columns (padded layout when M > 1)
     CB: tl.constexpr = D * BITS // 8
     offs_t = t0 + tl.arange(0, BLOCK_T)
     valid = (offs_t < n_new) & (offs_t >= first)
-    offs_d = tl.arange(0, BLK)
+    offs_d, cols_ok = padded_columns(BLK_P, M, MP)
     base = x_ptr + b * sx_b + h * sx_h + offs_t[:, None] * sx_t
     xf = (b * num_kv_heads + h) * D
-    x0, bad = _load_finite(base, offs_d, valid, sub_ptr + xf, mul_ptr + xf, AFFINE)
+    x0, bad = _load_finite(base, offs_d, valid, cols_ok, sub_ptr + xf, mul_ptr + xf, AFFINE, M)
     amax = tl.max(tl.abs(x0), axis=1)
     if NB == 2:
-        x1, bad1 = _load_finite(base + BLK, offs_d, valid, sub_ptr + xf + BLK, mul_ptr + xf + BLK, AFFINE)
+        x1, bad1 = _load_finite(base + BLK, offs_d, valid, cols_ok, sub_ptr + xf + BLK, mul_ptr + xf + BLK,
+                                AFFINE, M)
         bad = bad | bad1
         amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
     e = _magnitude_exponent(amax)
-    x0 = _times_pow2(x0, -e[:, None]) * tl.load(signs_ptr + offs_d)[None, :]
+    x0 = _times_pow2(x0, -e[:, None]) * _load_vector(signs_ptr, offs_d, cols_ok, M)[None, :]
     if NB == 2:
-        # H_512 = [[H, H], [H, -H]] with H = H_256: one butterfly, then two H_256 products.
-        x1 = _times_pow2(x1, -e[:, None]) * tl.load(signs_ptr + BLK + offs_d)[None, :]
-        y0 = hadamard_any(x0 + x1, had_ptr, BLK)
-        y1 = hadamard_any(x0 - x1, had_ptr, BLK)
+        # H_P ⊗ Q = [[H', H'], [H', -H']] with H' = H_{P/2} ⊗ Q: one butterfly, then two products of half size.
+        x1 = _times_pow2(x1, -e[:, None]) * _load_vector(signs_ptr + BLK, offs_d, cols_ok, M)[None, :]
+        y0 = kron_rows(x0 + x1, had_ptr, kron_ptr, BLK_P, M, MP)
+        y1 = kron_rows(x0 - x1, had_ptr, kron_ptr, BLK_P, M, MP)
     else:
-        y0 = hadamard_any(x0, had_ptr, BLK)
+        y0 = kron_rows(x0, had_ptr, kron_ptr, BLK_P, M, MP)
         y1 = y0
-    idx0, s0 = _encode_block(y0, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK)
+    idx0, s0 = _encode_block(y0, cols_ok, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK, M)
     idx0 = tl.where(bad[:, None], 0, idx0)
     idx1 = idx0
     if NB == 2:
-        idx1, s1 = _encode_block(y1, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK)
+        idx1, s1 = _encode_block(y1, cols_ok, cb_ptr, bounds_ptr, grid_ptr, BITS, RULE, BLK, M)
         idx1 = tl.where(bad[:, None], 0, idx1)
 
     slot = slot0 + offs_t
     if RING:
         slot = slot % N
     row = (b * num_kv_heads + h).to(tl.int64) * N + slot
-    _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC)
-    norm = 1.0 / tl.sqrt(D * 1.0)  # hadamard_rows is unnormalized
+    _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC, M, MP)
+    norm = 1.0 / tl.sqrt((D // M) * 1.0)  # kron_rows is unnormalized: 1 / sqrt(P), Q is orthonormal
     _store_scale(scales_ptr + row * NB, _times_pow2(s0 * norm, e), bad, valid, BF16_SCALES)
     if NB == 2:
         _store_scale(scales_ptr + row * NB + 1, _times_pow2(s1 * norm, e), bad, valid, BF16_SCALES)
@@ -207,13 +250,13 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
 def _quantize_append_kernel(
     k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     k_codes, k_scales, v_codes, v_scales,
-    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
+    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr, key_gain_ptr,
     seen_ptr, new_len_ptr, count_ptr, T, N, num_kv_heads,
     D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
     RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr, COUNT: tl.constexpr,
-    BF16_SCALES: tl.constexpr,
+    BF16_SCALES: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BLOCK_T
     bh = tl.program_id(1)
@@ -228,12 +271,14 @@ def _quantize_append_kernel(
     slot0 = tl.load(seen_ptr + b)
     if tl.program_id(2) == 0:
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                     k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-                     count_ptr, D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM, COUNT, BF16_SCALES)
+                     k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr,
+                     key_gain_ptr, count_ptr, D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM, COUNT,
+                     BF16_SCALES, M, MP)
     else:
         _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
-                     v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, key_shift_ptr, key_gain_ptr,
-                     count_ptr, D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False, COUNT, BF16_SCALES)
+                     v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr,
+                     key_gain_ptr, count_ptr, D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False, COUNT,
+                     BF16_SCALES, M, MP)
 
 
 @lru_cache(maxsize=None)
@@ -258,6 +303,7 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     check_kernel_head_dim("quantize_append", codec.head_dim)
     key_xform = layout.has_key_transform
     d = codec.head_dim
+    m, m_pad = padded_factor(d)
     b, hkv, t, _ = k.shape
     if k.stride(3) != 1:
         k = k.contiguous()
@@ -274,7 +320,8 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     _quantize_append_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         layout.k_codes, k_scales, layout.v_codes, v_scales,
-        k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev), hadamard_tile(min(d, 256), dev),
+        k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev),
+        hadamard_tile(min(d, 256) if m == 1 else 16, dev), kron_tile(m, dev),
         *(layout.key_shift, layout.key_gain) if key_xform else (k_cb, k_cb),
         layout.seen, new_lengths if new_lengths is not None else layout.seen,
         layout.nonfinite if layout.nonfinite is not None else layout.seen, t, layout.capacity, hkv,
@@ -282,5 +329,6 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
         V_BITS=v_spec.bits, V_W0=v_spec.low_plane, V_W1=v_spec.high_plane,
         RULE=codec.scale_rule_id, BLOCK_T=plan.block_t, RING=layout.is_ring,
         HAS_LENGTHS=new_lengths is not None, K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
-        KEY_XFORM=key_xform, COUNT=layout.nonfinite is not None, BF16_SCALES=bf16_scales, num_warps=plan.num_warps,
+        KEY_XFORM=key_xform, COUNT=layout.nonfinite is not None, BF16_SCALES=bf16_scales, M=m, MP=m_pad,
+        num_warps=plan.num_warps,
     )
