@@ -30,6 +30,11 @@ CASES = [
     (64, (4, 3), 1, 3, 3, 1500, None, 12, True, None, False),
     (64, (3, 4), 1, 3, 3, 1500, None, 12, True, None, False),
     (64, (4, 5), 2, 2, 8, 700, 256, 8, False, None, True),
+    # Head dims that are not powers of two: the Triton kernels' padded layout (the CUDA kernel does not serve them).
+    (80, (4, 4), 2, 4, 4, 3000, None, 1, True, None, False),
+    (96, (4, 3), 2, 2, 8, 2000, 512, 2, True, None, True),
+    (160, (8, 4), 1, 4, 2, 1500, None, 5, False, 30.0, False),
+    (320, (4, 4), 1, 2, 4, 2500, None, 1, True, None, False),
 ]
 
 
@@ -54,7 +59,8 @@ def test_cached_attention_matches_reference(case):
     assert err < TOL + 2.0 ** -9, f"relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("d,bits", [(128, (4, 4)), (128, (8, 3)), (256, (6, 5)), (512, (2, 4)), (64, (4, 8))])
+@pytest.mark.parametrize("d,bits", [(128, (4, 4)), (128, (8, 3)), (256, (6, 5)), (512, (2, 4)), (64, (4, 8)),
+                                    (80, (4, 4)), (96, (3, 5)), (320, (4, 4))])
 def test_quantize_append_matches_codec(d, bits):
     torch.manual_seed(d + bits[0])
     codec = ta.KVCodec(d, *bits)
