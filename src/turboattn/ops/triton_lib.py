@@ -67,18 +67,34 @@ def kron_tile(m: int, device: torch.device) -> torch.Tensor:
 @triton.jit
 def padded_columns(N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
     """(coordinate, holds one) of the padded layout's columns 0..N-1 (padded_factor): c -> (c // MP) * M + c % MP."""
+    # One return per function: the compiler visits the statements after a constexpr-if's return too, and
+    # refuses returns of different types (the interpreter does not check).
     c = tl.arange(0, N)
     if M == 1:
-        return c, c < N
-    return (c // MP) * M + c % MP, c % MP < M
+        coord, real = c, c < N
+    else:
+        coord, real = (c // MP) * M + c % MP, c % MP < M
+    return coord, real
 
 
 @triton.jit
 def padded_mask(rows_ok, cols_ok, M: tl.constexpr):
     """The [R, N] mask of a tile's rows and (for M > 1) its padded layout's real columns."""
     if M == 1:
-        return rows_ok[:, None]
-    return rows_ok[:, None] & cols_ok[None, :]
+        mask = rows_ok[:, None]
+    else:
+        mask = rows_ok[:, None] & cols_ok[None, :]
+    return mask
+
+
+@triton.jit
+def load_padded_vector(ptr, offs, cols_ok, M: tl.constexpr):
+    """A per-coordinate vector at the columns' coordinates offs [1, N] (zero in padded columns when M > 1)."""
+    if M == 1:
+        x = tl.load(ptr + offs)
+    else:
+        x = tl.load(ptr + offs, mask=cols_ok[None, :], other=0.0)
+    return x
 
 
 @triton.jit
@@ -98,23 +114,24 @@ def kron_rows(x, had_ptr, kron_ptr, N: tl.constexpr, M: tl.constexpr, MP: tl.con
     groups by butterflies (P/A <= 16 for every supported head dim).  Padded columns stay zero.
     """
     if M == 1:
-        return hadamard_any(x, had_ptr, N)
-    R: tl.constexpr = x.shape[0]
-    L: tl.constexpr = 16 if MP < 16 else MP
-    PH: tl.constexpr = N // L
-    tl.static_assert(PH <= 16, "kron_rows: at most 16 groups")
-    offs = tl.arange(0, L)
-    kmat = tl.load(kron_ptr + offs[:, None] * L + offs[None, :])
-    # Row-vector form: H_A ⊗ Q is symmetric.
-    z = tl.reshape(tl.dot(tl.reshape(x, (R * PH, L)), kmat, input_precision="ieee"), (R, N))
-    if PH >= 2:
-        z = _h2_blocks(z, 1, N // 2)
-    if PH >= 4:
-        z = _h2_blocks(z, 2, N // 4)
-    if PH >= 8:
-        z = _h2_blocks(z, 4, N // 8)
-    if PH >= 16:
-        z = _h2_blocks(z, 8, N // 16)
+        z = hadamard_any(x, had_ptr, N)
+    else:
+        R: tl.constexpr = x.shape[0]
+        L: tl.constexpr = 16 if MP < 16 else MP
+        PH: tl.constexpr = N // L
+        tl.static_assert(PH <= 16, "kron_rows: at most 16 groups")
+        offs = tl.arange(0, L)
+        kmat = tl.load(kron_ptr + offs[:, None] * L + offs[None, :])
+        # Row-vector form: H_A ⊗ Q is symmetric.
+        z = tl.reshape(tl.dot(tl.reshape(x, (R * PH, L)), kmat, input_precision="ieee"), (R, N))
+        if PH >= 2:
+            z = _h2_blocks(z, 1, N // 2)
+        if PH >= 4:
+            z = _h2_blocks(z, 2, N // 4)
+        if PH >= 8:
+            z = _h2_blocks(z, 4, N // 8)
+        if PH >= 16:
+            z = _h2_blocks(z, 8, N // 16)
     return z
 
 
@@ -164,12 +181,14 @@ def hadamard_any(x, had_ptr, N: tl.constexpr):
     registers keeps the H tile (shared memory) at 32 KB instead of 128 KB.
     """
     if N <= 128:
-        return hadamard_rows(x, had_ptr, N)
-    R: tl.constexpr = x.shape[0]
-    x0, x1 = tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))
-    y0 = hadamard_rows(x0 + x1, had_ptr, N // 2)
-    y1 = hadamard_rows(x0 - x1, had_ptr, N // 2)
-    return tl.reshape(tl.permute(tl.join(y0, y1), (0, 2, 1)), (R, N))
+        y = hadamard_rows(x, had_ptr, N)
+    else:
+        R: tl.constexpr = x.shape[0]
+        x0, x1 = tl.split(tl.permute(tl.reshape(x, (R, 2, N // 2)), (0, 2, 1)))
+        y0 = hadamard_rows(x0 + x1, had_ptr, N // 2)
+        y1 = hadamard_rows(x0 - x1, had_ptr, N // 2)
+        y = tl.reshape(tl.permute(tl.join(y0, y1), (0, 2, 1)), (R, N))
+    return y
 
 
 @triton.jit

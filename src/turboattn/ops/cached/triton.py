@@ -52,7 +52,8 @@ from ...format.key_transform import to_stored_keys, to_stored_queries
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs, rotate
 from ..triton_lib import (LOG2E, finish_split, hadamard_tile, key_transform_rows, kron_rows, kron_tile,
-                          merge_splits, online_softmax, padded_columns, padded_factor, padded_mask, tanh)
+                          load_padded_vector, merge_splits, online_softmax, padded_columns, padded_factor,
+                          padded_mask, tanh)
 from .config import DecodePlan, check_kernel_head_dim, plan_decode
 from .lut import lut4_asm
 
@@ -62,8 +63,10 @@ def _load_bytes(ptrs, mask, VEC: tl.constexpr, M: tl.constexpr):
     """Code bytes at ptrs: aligned, contiguous runs of VEC in the plain layout (M == 1); gathers through the
     padded layout's map otherwise."""
     if M == 1:
-        return tl.load(tl.max_contiguous(tl.multiple_of(ptrs, [1, VEC]), [1, VEC]), mask=mask, other=0)
-    return tl.load(ptrs, mask=mask, other=0)
+        x = tl.load(tl.max_contiguous(tl.multiple_of(ptrs, [1, VEC]), [1, VEC]), mask=mask, other=0)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0)
+    return x
 
 
 @triton.jit
@@ -71,9 +74,11 @@ def _plane_values(row_ptr, coord, mask, W: tl.constexpr, P: tl.constexpr, OFFSET
                   VEC: tl.constexpr, M: tl.constexpr):
     """Bits of one plane (width W, P bytes, starting OFFSET bytes into the row) for coordinates `coord`."""
     if W == 8:
-        return _load_bytes(row_ptr + OFFSET + coord, mask, VEC, M).to(tl.int32)
-    byte = _load_bytes(row_ptr + OFFSET + coord % P, mask, VEC, M).to(tl.int32)
-    return (byte >> (W * (coord // P))) & ((1 << W) - 1)
+        bits = _load_bytes(row_ptr + OFFSET + coord, mask, VEC, M).to(tl.int32)
+    else:
+        byte = _load_bytes(row_ptr + OFFSET + coord % P, mask, VEC, M).to(tl.int32)
+        bits = (byte >> (W * (coord // P))) & ((1 << W) - 1)
+    return bits
 
 
 @triton.jit
@@ -122,16 +127,10 @@ def _centroid_halves(codes_ptr, rows, valid, cb_ptr, D: tl.constexpr, BITS: tl.c
                      M: tl.constexpr, MP: tl.constexpr):
     """LUT_ASM == "": gather from the table (any width, interpreter, padded layouts); else the register LUT."""
     if LUT_ASM == "":
-        return _load_centroids(codes_ptr, rows, valid, cb_ptr, D, BITS, W0, W1, VEC, M, MP)
-    return _load_centroids_lut4(codes_ptr, rows, valid, LUT_ASM, D)
-
-
-@triton.jit
-def _load_vector(ptr, offs, cols_ok, M: tl.constexpr):
-    """A per-coordinate vector at the columns' coordinates offs [1, N] (zero in padded columns when M > 1)."""
-    if M == 1:
-        return tl.load(ptr + offs)
-    return tl.load(ptr + offs, mask=cols_ok[None, :], other=0.0)
+        lo, hi = _load_centroids(codes_ptr, rows, valid, cb_ptr, D, BITS, W0, W1, VEC, M, MP)
+    else:
+        lo, hi = _load_centroids_lut4(codes_ptr, rows, valid, LUT_ASM, D)
+    return lo, hi
 
 
 @triton.jit
@@ -153,24 +152,25 @@ def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, kron_ptr, factor, D: tl.
     x_lo = tl.load(row_ptr[:, None] + offs, mask=mask, other=0.0)
     x_hi = tl.load(row_ptr[:, None] + HALF + offs, mask=mask, other=0.0)
     if PRE_ROTATED:
-        return x_lo.to(tl.float16), x_hi.to(tl.float16)
-    x_lo = x_lo.to(tl.float32)
-    x_hi = x_hi.to(tl.float32)
-    if AFFINE:
-        if M == 1:
-            x_lo = key_transform_rows(x_lo, sub_ptr, mul_ptr, offs, SUB)
-            x_hi = key_transform_rows(x_hi, sub_ptr, mul_ptr, HALF + offs, SUB)
-        else:
-            if SUB:
-                x_lo = x_lo - _load_vector(sub_ptr, offs, cols_ok, M)
-                x_hi = x_hi - _load_vector(sub_ptr + HALF, offs, cols_ok, M)
-            x_lo = x_lo * _load_vector(mul_ptr, offs, cols_ok, M)
-            x_hi = x_hi * _load_vector(mul_ptr + HALF, offs, cols_ok, M)
-    x_lo = x_lo * _load_vector(signs_ptr, offs, cols_ok, M)
-    x_hi = x_hi * _load_vector(signs_ptr + HALF, offs, cols_ok, M)
-    factor = factor / tl.sqrt((D // M) * 1.0)
-    y_lo = kron_rows(x_lo + x_hi, had_ptr, kron_ptr, HP, M, MP) * factor
-    y_hi = kron_rows(x_lo - x_hi, had_ptr, kron_ptr, HP, M, MP) * factor
+        y_lo, y_hi = x_lo, x_hi
+    else:
+        x_lo = x_lo.to(tl.float32)
+        x_hi = x_hi.to(tl.float32)
+        if AFFINE:
+            if M == 1:
+                x_lo = key_transform_rows(x_lo, sub_ptr, mul_ptr, offs, SUB)
+                x_hi = key_transform_rows(x_hi, sub_ptr, mul_ptr, HALF + offs, SUB)
+            else:
+                if SUB:
+                    x_lo = x_lo - load_padded_vector(sub_ptr, offs, cols_ok, M)
+                    x_hi = x_hi - load_padded_vector(sub_ptr + HALF, offs, cols_ok, M)
+                x_lo = x_lo * load_padded_vector(mul_ptr, offs, cols_ok, M)
+                x_hi = x_hi * load_padded_vector(mul_ptr + HALF, offs, cols_ok, M)
+        x_lo = x_lo * load_padded_vector(signs_ptr, offs, cols_ok, M)
+        x_hi = x_hi * load_padded_vector(signs_ptr + HALF, offs, cols_ok, M)
+        factor = factor / tl.sqrt((D // M) * 1.0)
+        y_lo = kron_rows(x_lo + x_hi, had_ptr, kron_ptr, HP, M, MP) * factor
+        y_hi = kron_rows(x_lo - x_hi, had_ptr, kron_ptr, HP, M, MP) * factor
     return y_lo.to(tl.float16), y_hi.to(tl.float16)
 
 
@@ -406,8 +406,8 @@ def _merge_reduce_kernel(
     x_lo = kron_rows(y_lo + y_hi, had_ptr, kron_ptr, HP, M, MP)
     x_hi = kron_rows(y_lo - y_hi, had_ptr, kron_ptr, HP, M, MP)
     norm = 1.0 / tl.sqrt((D // M) * 1.0)
-    x_lo = x_lo * _load_vector(signs_ptr, offs_h[None, :], cols_ok, M) * norm
-    x_hi = x_hi * _load_vector(signs_ptr + HALF, offs_h[None, :], cols_ok, M) * norm
+    x_lo = x_lo * load_padded_vector(signs_ptr, offs_h[None, :], cols_ok, M) * norm
+    x_hi = x_hi * load_padded_vector(signs_ptr + HALF, offs_h[None, :], cols_ok, M) * norm
     out_row = out_ptr + ((b * num_kv_heads * G + head).to(tl.int64) * Tq + t) * D
     o_ptr = out_row[:, None] + offs_h[None, :]
     mask = padded_mask(row_ok, cols_ok, M)

@@ -31,7 +31,7 @@ from ...format import codebook
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from ..triton_lib import kron_rows, kron_tile, padded_columns, padded_factor, padded_mask, hadamard_tile
+from ..triton_lib import hadamard_tile, kron_rows, kron_tile, load_padded_vector, padded_columns, padded_factor, padded_mask
 from ..cached.config import check_kernel_head_dim
 from .config import plan_quantize
 
@@ -81,20 +81,12 @@ def _magnitude_exponent(amax):
 
 
 @triton.jit
-def _load_vector(ptr, offs_d, cols_ok, M: tl.constexpr):
-    """A per-coordinate vector at the columns' coordinates offs_d (zero in padded columns when M > 1)."""
-    if M == 1:
-        return tl.load(ptr + offs_d)
-    return tl.load(ptr + offs_d, mask=cols_ok, other=0.0)
-
-
-@triton.jit
 def _load_finite(base, offs_d, valid, cols_ok, sub_ptr, mul_ptr, AFFINE: tl.constexpr, M: tl.constexpr):
     """Rows of BLK inputs (key transform applied when AFFINE) with non-finite entries zeroed, and
     whether each row had one.  offs_d: the columns' coordinates (padded layout when M > 1)."""
     x = tl.load(base + offs_d[None, :], mask=padded_mask(valid, cols_ok, M), other=0.0).to(tl.float32)
     if AFFINE:  # the key transform: (x - shift) * gain
-        x = (x - _load_vector(sub_ptr, offs_d, cols_ok, M)[None, :]) * _load_vector(mul_ptr, offs_d, cols_ok, M)[None, :]
+        x = (x - load_padded_vector(sub_ptr, offs_d[None, :], cols_ok, M)) * load_padded_vector(mul_ptr, offs_d[None, :], cols_ok, M)
     ok = tl.abs(x) < float("inf")  # False for NaN too
     return tl.where(ok, x, 0.0), tl.min(ok.to(tl.int32), axis=1) == 0
 
@@ -216,10 +208,10 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
         bad = bad | bad1
         amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
     e = _magnitude_exponent(amax)
-    x0 = _times_pow2(x0, -e[:, None]) * _load_vector(signs_ptr, offs_d, cols_ok, M)[None, :]
+    x0 = _times_pow2(x0, -e[:, None]) * load_padded_vector(signs_ptr, offs_d[None, :], cols_ok, M)
     if NB == 2:
         # H_P ⊗ Q = [[H', H'], [H', -H']] with H' = H_{P/2} ⊗ Q: one butterfly, then two products of half size.
-        x1 = _times_pow2(x1, -e[:, None]) * _load_vector(signs_ptr + BLK, offs_d, cols_ok, M)[None, :]
+        x1 = _times_pow2(x1, -e[:, None]) * load_padded_vector(signs_ptr + BLK, offs_d[None, :], cols_ok, M)
         y0 = kron_rows(x0 + x1, had_ptr, kron_ptr, BLK_P, M, MP)
         y1 = kron_rows(x0 - x1, had_ptr, kron_ptr, BLK_P, M, MP)
     else:
