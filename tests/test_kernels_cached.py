@@ -44,12 +44,18 @@ def _filled_cache(gen, codec, b, hkv, chunks, window=None, capacity=None, pad=No
        seed=st.integers(0, 2**31))
 def test_cached_attention_kernel_matches_reference(d, k_bits, v_bits, group, tq, fresh, window, softcap, sinks,
                                                   splits, seed):
+    # Chunk sizes straddle the 64-key block and, for rings, wrap around several times.
+    _check_random_call(seed, d, k_bits, v_bits, group, tq, fresh, window, softcap, sinks, splits, (37, 30))
+
+
+def _check_random_call(seed, d, k_bits, v_bits, group, tq, fresh, window, softcap, sinks, splits, chunks):
+    """The Triton kernel against the float64 reference on a cache filled with `chunks` random tokens (B = 2,
+    Hkv = 2, left padding [0, 3]) and random q, fresh k/v and sinks."""
     gen = torch.Generator().manual_seed(seed)
     codec = ta.KVCodec(d, k_bits, v_bits)
     b, hkv = 2, 2
-    # Chunk sizes straddle the 64-key block and, for rings, wrap around several times.
-    cache = _filled_cache(gen, codec, b, hkv, (37, 30), window=window,
-                          capacity=None if window else 67 + tq, pad=[0, 3])
+    cache = _filled_cache(gen, codec, b, hkv, chunks, window=window,
+                          capacity=None if window else sum(chunks) + tq, pad=[0, 3])
     q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
     kf = vf = None
     if fresh:
@@ -57,7 +63,8 @@ def test_cached_attention_kernel_matches_reference(d, k_bits, v_bits, group, tq,
         vf = torch.randn(b, hkv, tq, d, generator=gen).half()
     sink = torch.randn(hkv * group, generator=gen) if sinks else None
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sink, backend="triton", num_splits=splits)
-    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sink, compute_dtype=torch.float64)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sink,
+                                 compute_dtype=torch.float64)
     assert out.dtype == q.dtype and out.shape == q.shape
     # fp16 output adds one more rounding.
     assert _rel(out, ref) < FP16_TOL + 2.0**-11
@@ -88,22 +95,7 @@ def test_cached_attention_kernel_matches_reference_at_other_head_dims(d, k_bits,
                                                                       softcap, sinks, splits, seed):
     """As test_cached_attention_kernel_matches_reference, at head dims that are not powers of two (GQA groups,
     rings that wrap, fresh k/v, left padding), with fewer tokens: the same tolerance."""
-    gen = torch.Generator().manual_seed(seed)
-    codec = ta.KVCodec(d, k_bits, v_bits)
-    b, hkv = 2, 2
-    cache = _filled_cache(gen, codec, b, hkv, (13, 11), window=window,
-                          capacity=None if window else 24 + tq, pad=[0, 3])
-    q = torch.randn(b, hkv * group, tq, d, generator=gen).half()
-    kf = vf = None
-    if fresh:
-        kf = torch.randn(b, hkv, tq, d, generator=gen).half()
-        vf = torch.randn(b, hkv, tq, d, generator=gen).half()
-    sink = torch.randn(hkv * group, generator=gen) if sinks else None
-    out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sink, backend="triton", num_splits=splits)
-    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sink,
-                                 compute_dtype=torch.float64)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert _rel(out, ref) < FP16_TOL + 2.0**-11
+    _check_random_call(seed, d, k_bits, v_bits, group, tq, fresh, window, softcap, sinks, splits, (13, 11))
 
 
 @pytest.mark.parametrize("d", [32, 320, 384, 496])
