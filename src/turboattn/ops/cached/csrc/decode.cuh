@@ -36,7 +36,7 @@ constexpr int WARPS = 4;
 constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
 
-__device__ __forceinline__ uint32_t half2_bits(__half2 h);
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 // Byte -> fp16 centroid table of a BITS-bit side, one column per lane: entry (byte, lane) is ENTRY_WORDS words at
 // word (byte * 32 + lane) * ENTRY_WORDS.  An entry holds the centroids of every code in the byte, in the order of
@@ -189,8 +189,6 @@ __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
-
-__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
 
