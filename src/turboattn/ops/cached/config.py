@@ -24,9 +24,8 @@ PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 1024
 
 # The CUDA kernel (cuda.py): K and V codes of 2, 4 or 8 bits each at these head dims, at most 8 query rows per KV
-# head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule: one wave of
-# resident CTAs (a second wave measured slower: each CTA builds its tables and rotates q), splits of at least
-# CUDA_MIN_KEYS_PER_SPLIT keys.
+# head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule (cuda_num_splits)
+# is fitted to split-count sweeps on an H100 (BENCHMARKS.md).
 CUDA_HEAD_DIMS = (64, 128, 256)
 # The Triton kernels of the compressed cache (cached attention, quantize-append) serve every head dim of the
 # format: powers of two in the plain layout, the others (D = P * m, m odd) in the padded layout of
@@ -46,7 +45,25 @@ def check_kernel_head_dim(op: str, head_dim: int) -> None:
 CUDA_BITS = (2, 4, 8)
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
-CUDA_MIN_KEYS_PER_SPLIT = 512
+CUDA_MIN_KEYS_PER_SPLIT = 256
+CUDA_MAX_SPLITS = 64
+CUDA_SHORT_SPLIT = 1024
+
+
+def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
+    """Splits per (sequence, KV head) for the CUDA kernel, given the CTAs resident at once.
+
+    One wave at most (a second measured slower: each CTA builds its tables and rotates q), splits of at least
+    CUDA_MIN_KEYS_PER_SPLIT keys (8 x 8 heads at L=1024: 4 splits 16.4 us, 2 splits 17.3), at most
+    CUDA_MAX_SPLITS (the merge on the kernel's tail reads every part: one sequence with 1-2 KV heads at L=32K
+    takes 26-27 us at 64, 30-33 us at 128), and half a wave where a full one would cut splits shorter than
+    CUDA_SHORT_SPLIT keys at D >= 128 (one sequence x 8 heads at L=32K: 28.2 us at 32 splits, 30.7 at 64;
+    2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads at 16K: 23.5 us at 22, 26.6 at 11).
+    """
+    splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS))
+    if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
+        splits = max(1, min(splits, resident // 2 // batch_kv_heads))
+    return splits
 
 
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
@@ -129,7 +146,7 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
     block_n, num_warps, num_stages = _tile(head_dim)
     if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
         resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
-        num_splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT))
+        num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)
         num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,

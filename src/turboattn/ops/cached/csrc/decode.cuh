@@ -35,6 +35,7 @@ namespace turboattn {
 constexpr int WARPS = 4;
 constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
+static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query rows");
 
 __device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -51,20 +52,25 @@ struct CodeTable {
   static constexpr int WORDS = 256 * 32 * ENTRY_WORDS;
   static constexpr int SHIFT = BITS == 2 ? 8 : 7;  // log2 of an entry row's bytes (32 lanes x entry)
 
-  // Fills the table from centroids (float32, 2^BITS) staged in shared memory as fp16; the whole CTA, no barrier
-  // at the end.
+  // Fills the table from centroids (2^BITS) staged in shared memory as fp16; the whole CTA, no barrier at the end.
+  // Every lane's column holds the same entry, so each store writes 16 bytes: four lanes' entries (two for 2 bits).
   __device__ static void build(uint32_t* table, const __half* cent) {
-    for (int i = threadIdx.x; i < 256 * 32; i += WARPS * 32) {
-      const int byte = i >> 5;
-      uint32_t* entry = table + i * ENTRY_WORDS;
+    constexpr int STORES_PER_BYTE = 32 * ENTRY_WORDS / 4;
+    for (int i = threadIdx.x; i < 256 * STORES_PER_BYTE; i += WARPS * 32) {
+      const int byte = i / STORES_PER_BYTE;
+      uint4 entries;
       if constexpr (BITS == 8) {
-        entry[0] = half2_bits(__halves2half2(cent[byte], cent[byte]));
+        const uint32_t e = half2_bits(__halves2half2(cent[byte], cent[byte]));
+        entries = make_uint4(e, e, e, e);
       } else if constexpr (BITS == 4) {
-        entry[0] = half2_bits(__halves2half2(cent[byte & 15], cent[byte >> 4]));
+        const uint32_t e = half2_bits(__halves2half2(cent[byte & 15], cent[byte >> 4]));
+        entries = make_uint4(e, e, e, e);
       } else {
-        entry[0] = half2_bits(__halves2half2(cent[byte & 3], cent[(byte >> 2) & 3]));
-        entry[1] = half2_bits(__halves2half2(cent[(byte >> 4) & 3], cent[byte >> 6]));
+        const uint32_t e0 = half2_bits(__halves2half2(cent[byte & 3], cent[(byte >> 2) & 3]));
+        const uint32_t e1 = half2_bits(__halves2half2(cent[(byte >> 4) & 3], cent[byte >> 6]));
+        entries = make_uint4(e0, e1, e0, e1);
       }
+      reinterpret_cast<uint4*>(table)[i] = entries;
     }
   }
 
@@ -279,19 +285,30 @@ __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int ti
   }
 }
 
-// Fast Walsh-Hadamard transform (unnormalized, Sylvester order) of `rows` rows of D floats in shared memory, in
-// place, by the whole CTA; ends synchronized.
+// Fast Walsh-Hadamard transform (unnormalized, Sylvester order) of a D-vector held by one warp: lane l holds
+// dims l N ... l N + N - 1 (N = D / 32) in x.  The low log2 N stages stay in registers, the other five are
+// butterflies across lanes (one shuffle per value): no shared memory, no barrier.
 template <int D>
-__device__ __forceinline__ void hadamard_rows(float* x, int rows) {
-  for (int h = 1; h < D; h <<= 1) {
-    for (int i = threadIdx.x; i < rows * D / 2; i += WARPS * 32) {
-      const int r = i / (D / 2), j = i % (D / 2);
-      const int lo = (j / h) * 2 * h + (j % h), hi = lo + h;
-      const float u = x[r * D + lo], v = x[r * D + hi];
-      x[r * D + lo] = u + v;
-      x[r * D + hi] = u - v;
+__device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
+  constexpr int N = D / 32;
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (i & h) continue;
+      const float u = x[i], v = x[i + h];
+      x[i] = u + v;
+      x[i + h] = u - v;
     }
-    __syncthreads();
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = lane & m;  // this lane holds the butterfly's second half
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, x[i], m);
+      x[i] = upper ? other - x[i] : x[i] + other;
+    }
   }
 }
 
@@ -300,21 +317,49 @@ __device__ __forceinline__ void hadamard_rows(float* x, int rows) {
 // q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
 // domain (rotation is orthogonal, so q . (k - shift) is the score the rotated, transformed pair would give) and
 // their weighted values join after the rotation back (it is linear).  weight: shared scratch of MAX_ROWS x
-// num_parts floats; y: shared [MAX_ROWS][D]; fresh_p: shared [MAX_ROWS][MAX_ROWS].  Parts were written by other
-// CTAs: read through L2.
+// num_parts floats; y: shared [MAX_ROWS][D]; fresh_p: shared [MAX_ROWS][MAX_ROWS]; signs: shared [D].  Parts were
+// written by other CTAs: read through L2.
+//
+// The merge sits on the kernel's tail, so it is written for latency: each thread owns float4s of the output and
+// keeps BATCH parts' loads in flight, the first batch issued before the weights are computed (the loads do not
+// depend on them).  With fewer outputs than threads, `groups` threads share an output's parts (group k takes
+// parts k, k + groups, ...) and their partial sums are added in a fixed order.
 template <int D>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator,
-                                            float* fresh_p) {
+                                            float* fresh_p, const float* signs) {
   // Indices are recomputed here, so that the main loop need not keep them alive.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const int num_parts = p.num_parts;
   const size_t first = (size_t)bh * num_parts * rows;  // part q of row r: first + q * rows + r
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
+  constexpr int D4 = D / 4, BATCH = 16, THREADS = WARPS * 32;
+  const int outputs = rows * D4;
+  const int groups = outputs < THREADS ? THREADS / outputs : 1;
+  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of a row
+  float4 part[BATCH];
+  // Work item i: output float4 i % outputs, parts i / outputs + k groups.
+  auto load_batch = [&](int i, int q0) {
+    const int o4 = i % outputs;
+    const float4* o = reinterpret_cast<const float4*>(p.o_part + (first + o4 / D4) * D) + o4 % D4;
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int q = q0 + j * groups;
+      part[j] = q < num_parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  if (tid < outputs * groups) load_batch(tid, tid / outputs);
   for (int r = warp; r < rows; r += WARPS) {
     const int t = r / p.group, head = kvh * p.group + r % p.group;
     const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
+    float* w_row = weight + r * num_parts;
+    // The parts' log2-sum-exps, staged in w_row (one L2 round trip, issued before the fresh tokens' loads).
     float mx = sink;
+    for (int q = lane; q < num_parts; q += 32) {
+      const float x = __ldcg(p.lse_part + first + (size_t)q * rows + r);
+      w_row[q] = x;
+      mx = fmaxf(mx, x);
+    }
     // Fresh scores: token j is seen by query t when j <= t and, under a window, t - j < window.
     float fresh_s[MAX_ROWS];
 #pragma unroll
@@ -337,14 +382,13 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
       fresh_s[j] = x;
       mx = fmaxf(mx, x);
     }
-    for (int q = lane; q < num_parts; q += 32) mx = fmaxf(mx, __ldcg(p.lse_part + first + (size_t)q * rows + r));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     const float m_use = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
-    for (int q = lane; q < num_parts; q += 32) {
-      const float w = exp2f(__ldcg(p.lse_part + first + (size_t)q * rows + r) - m_use);
-      weight[r * num_parts + q] = w;
+    for (int q = lane; q < num_parts; q += 32) {  // each lane reads back what it staged: no barrier
+      const float w = exp2f(w_row[q] - m_use);
+      w_row[q] = w;
       sum += w;
     }
 #pragma unroll
@@ -359,48 +403,64 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     if (lane == 0) denominator[r] = sum + fresh_sum + exp2f(sink - m_use);
   }
   __syncthreads();
-  // Each thread owns float4s of the output and keeps BATCH parts' loads in flight: this merge sits on the
-  // kernel's tail, so it is written for latency.
-  constexpr int D4 = D / 4, BATCH = 16;
-  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of a row
-  for (int i = tid; i < rows * D4; i += WARPS * 32) {
-    const int r = i / D4;
-    const float4* o = reinterpret_cast<const float4*>(p.o_part + (first + r) * D) + i % D4;
+  float4* y4 = reinterpret_cast<float4*>(y);
+  for (int i = tid; i < outputs * groups; i += THREADS) {
+    const int o4 = i % outputs, r = o4 / D4;
     const float* w = weight + r * num_parts;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q0 = 0; q0 < num_parts; q0 += BATCH) {
-      float4 x[BATCH];
-#pragma unroll
-      for (int j = 0; j < BATCH; ++j) x[j] = q0 + j < num_parts ? __ldcg(o + (q0 + j) * step) : make_float4(0, 0, 0, 0);
+    for (int q0 = i / outputs; q0 < num_parts; q0 += BATCH * groups) {
+      if (i != tid || q0 != i / outputs) load_batch(i, q0);  // the first batch is already in `part`
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
-        const float wj = q0 + j < num_parts ? w[q0 + j] : 0.f;
-        acc.x += wj * x[j].x, acc.y += wj * x[j].y, acc.z += wj * x[j].z, acc.w += wj * x[j].w;
+        const int q = q0 + j * groups;
+        const float wj = q < num_parts ? w[q] : 0.f;
+        acc.x += wj * part[j].x, acc.y += wj * part[j].y, acc.z += wj * part[j].z, acc.w += wj * part[j].w;
       }
     }
     const float inv = denominator[r] != 0.f ? 1.f / denominator[r] : 0.f;  // NaN stays NaN
-    reinterpret_cast<float4*>(y)[i] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    y4[i] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);  // groups x outputs <= MAX_ROWS x D4
+  }
+  if (groups > 1) {
+    __syncthreads();
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (tid < outputs) {
+      for (int k = 0; k < groups; ++k) {
+        const float4 x = y4[k * outputs + tid];
+        sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+      }
+    }
+    __syncthreads();
+    if (tid < outputs) y4[tid] = sum;
   }
   __syncthreads();
-  hadamard_rows<D>(y, rows);
+  // Rotation back, one row per warp, and the store.
+  constexpr int N = D / 32;
   const float norm = rsqrtf((float)D);
   const int hq = p.num_kv_heads * p.group;
-  for (int i = tid; i < rows * D; i += WARPS * 32) {
-    const int r = i / D, d = i % D;
+  for (int r = warp; r < rows; r += WARPS) {
     const int t = r / p.group, head = kvh * p.group + r % p.group;
-    const size_t at = (((size_t)b * hq + head) * p.tq + t) * D + d;
-    float x = y[i] * p.signs[d] * norm;
-    if (p.has_fresh && denominator[r] != 0.f) {
-      float fresh = 0.f;
-      for (int j = 0; j <= t; ++j) {
-        const float w = fresh_p[r * MAX_ROWS + j];
-        if (!isnan(w)) fresh += w * load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+    float v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = y[r * D + lane * N + i];
+    hadamard_warp<D>(v, lane);
+    const float denom = denominator[r];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int d = lane * N + i;
+      float out = v[i] * signs[d] * norm;
+      if (p.has_fresh && denom != 0.f) {
+        float fresh = 0.f;
+        for (int j = 0; j <= t; ++j) {
+          const float w = fresh_p[r * MAX_ROWS + j];
+          if (!isnan(w)) fresh += w * load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
+        }
+        out += fresh / denom;
       }
-      x += fresh / denominator[r];
+      const size_t at = (((size_t)b * hq + head) * p.tq + t) * D + d;
+      if (p.q_dtype == 0) reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(out);
+      else if (p.q_dtype == 1) reinterpret_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(out);
+      else reinterpret_cast<float*>(p.out)[at] = out;
     }
-    if (p.q_dtype == 0) reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(x);
-    else if (p.q_dtype == 1) reinterpret_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(x);
-    else reinterpret_cast<float*>(p.out)[at] = x;
   }
 }
 
@@ -436,6 +496,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : CodeTable<KB>::WORDS);
   __shared__ __half centroids[2][256];
   __shared__ float q_rot[MAX_ROWS * D];
+  __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
   __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
   __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
@@ -479,28 +540,45 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   if (p.ring) safe_hi = safe_lo - 1;
 
 
-  // The first tile's loads go out now: their latency hides behind the tables and the q rotation.
+  // The set-up's loads go out before anything waits on them: the queries (row r = token r / G of query head
+  // kvh * G + r % G; warp w takes rows w and w + 4, lane l dims l N ...), the first tile, then the centroids.
+  // (An L2 prefetch of the split's first keys here, or kept running ahead of the warps, measured no faster.)
+  constexpr int N = D / 32;
+  float qx[MAX_ROWS / WARPS][N], sign[N], gain[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    sign[i] = p.signs[lane * N + i];
+    gain[i] = p.gain_inv ? p.gain_inv[(size_t)bh * D + lane * N + i] : 1.f;
+  }
+#pragma unroll
+  for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
+    const int r = warp + k * WARPS, t = r / p.group, h = kvh * p.group + r % p.group;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      qx[k][i] = r < rows ? load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N + i) : 0.f;
+  }
   TileData<S> next;
   const int first_tile = lo + warp * TILE_KEYS;
   if (first_tile < hi) load(first_tile, next);
   for (int i = tid; i < (1 << KB); i += WARPS * 32) centroids[0][i] = __float2half_rn(p.k_centroids[i]);
   for (int i = tid; i < (1 << VB); i += WARPS * 32) centroids[1][i] = __float2half_rn(p.v_centroids[i]);
-  // Queries of the GQA group: row r = token r / G of query head kvh * G + r % G; q / gain, signs, then H.
-  for (int i = tid; i < MAX_ROWS * D; i += WARPS * 32) {
-    const int r = i / D, d = i % D;
-    float x = 0.f;
-    if (r < rows) {
-      const int t = r / p.group, h = kvh * p.group + r % p.group;
-      x = load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d);
-      if (p.gain_inv) x *= p.gain_inv[(size_t)bh * D + d];
-      x *= p.signs[d];
-    }
-    q_rot[i] = x;
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
-  __syncthreads();
+  __syncthreads();  // the centroids are staged
   CodeTable<KB>::build(k_table, centroids[0]);
   if constexpr (!S::SHARED_TABLE) CodeTable<VB>::build(v_table, centroids[1]);
-  hadamard_rows<D>(q_rot, MAX_ROWS);  // its first barrier also publishes the tables
+  // q / gain, signs, then H.
+#pragma unroll
+  for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) qx[k][i] *= gain[i] * sign[i];
+    hadamard_warp<D>(qx[k], lane);
+#pragma unroll
+    for (int i = 0; i < N; ++i) q_rot[(warp + k * WARPS) * D + lane * N + i] = qx[k][i];
+  }
+  __syncthreads();  // publishes the tables and the rotated queries
   const float q_norm = p.q_scale * rsqrtf((float)D);
   // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims that the K fragments hold at k-indices
   // 2c, 2c+1 (register 0) and 2c+8, 2c+9 (register 1).
@@ -671,7 +749,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p);
+  merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p, signs);
 }
 
 // Launches decode<D, KB, VB>.  Past 48 KB of dynamic shared memory a kernel needs an allowance, set once per
