@@ -5,8 +5,9 @@ the numbers are GPU time, not Python launch overhead; eager time is recorded
 too.  A graph cycles through copies of each side's inputs that together span
 twice the GPU's L2 (l2_copies): a model's decode step streams every layer's
 cache in turn, so one small cache replayed back to back would read from L2
-what a real step reads from DRAM.  Bytes counted are those each method must read: ours reads packed codes and
-float32 scales for K and V (plus q/out, negligible); SDPA reads bf16 K and V.
+what a real step reads from DRAM.  Bytes counted are those each method must
+read: ours reads packed codes and float32 scales for K and V (plus q/out,
+negligible); SDPA reads bf16 K and V.
 """
 
 from __future__ import annotations

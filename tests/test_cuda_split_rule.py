@@ -1,0 +1,50 @@
+"""The CUDA decode kernel's split rule (ops/cached/config.cuda_num_splits): the properties its docstring states,
+over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
+BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turboattn.ops.cached.config import (CUDA_MAX_SPLITS, CUDA_MIN_KEYS_PER_SPLIT, CUDA_SHORT_SPLIT,
+                                         cuda_num_splits)
+
+RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
+BATCH_KV_HEADS = st.integers(1, 4096)
+TOKENS = st.integers(1, 1 << 20)
+
+
+@settings(max_examples=500, deadline=None)
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS)
+def test_split_rule_bounds(resident, bkv, d, tokens):
+    splits = cuda_num_splits(resident, bkv, d, tokens)
+    assert 1 <= splits <= CUDA_MAX_SPLITS
+    # At most one wave of resident CTAs (a single split when even one per (sequence, KV head) is more).
+    assert splits == 1 or splits * bkv <= resident
+    # Splits of at least CUDA_MIN_KEYS_PER_SPLIT keys.
+    assert splits == 1 or tokens >= splits * CUDA_MIN_KEYS_PER_SPLIT
+
+
+@settings(max_examples=500, deadline=None)
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([128, 256]), TOKENS)
+def test_short_splits_use_half_a_wave_at_wide_heads(resident, bkv, d, tokens):
+    splits = cuda_num_splits(resident, bkv, d, tokens)
+    if splits > 1 and splits * bkv > resident // 2:
+        assert tokens >= splits * CUDA_SHORT_SPLIT
+
+
+@settings(max_examples=300, deadline=None)
+@given(RESIDENT, BATCH_KV_HEADS, TOKENS)
+def test_head_dim_64_keeps_the_full_wave(resident, bkv, tokens):
+    full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS))
+    assert cuda_num_splits(resident, bkv, 64, tokens) == full
+
+
+def test_split_rule_at_the_measured_shapes():
+    # H100: 132 SMs x 4 CTAs (k4v4 at D <= 128), x 2 at D = 256; the sweep winners of BENCHMARKS.md.
+    assert cuda_num_splits(528, 8, 128, 32768) == 33      # B=1, 8 KV heads: half a wave (32 measured best)
+    assert cuda_num_splits(528, 1, 128, 32768) == 64      # B=1, 1 KV head: the cap
+    assert cuda_num_splits(528, 16, 128, 16384) == 16     # B=2
+    assert cuda_num_splits(528, 64, 128, 32768) == 8      # B=8: long splits keep the full wave
+    assert cuda_num_splits(528, 64, 128, 1024) == 4       # short context: 256-key splits
+    assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
+    assert cuda_num_splits(264, 64, 256, 8192) == 4
