@@ -120,7 +120,7 @@ def test_bench_suite_help(suite, capsys):
     (["prefill", "--configs", "n64w8s1"], "lacks BLOCK_M"),
     (["prefill", "--decode-configs", "n32w4s2tma"], "tma does not apply to the decode kernel"),
     (["key-transform", "--preset", "k4v4,k8v8"], "one preset"),
-    (["sanitize-cases", "--cases", "all"], "'all' is not one of small, passkey"),
+    (["sanitize-cases", "--cases", "all"], "'all' is not one of small, passkey, cuda, options, flash"),
 ])
 def test_bench_rejects_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -182,9 +182,11 @@ def test_turboquant_cache_generate(max_len, tmp_path):
     def run(device, ids):
         model = tiny_llama().to(device)
         cache = TurboQuantCache(model.config, max_cache_len=max_len)
+        # A static cache is compileable, so generate would compile the step: test_compiled_generate_on_cuda1
+        # covers that; here the same kernels run eagerly on both devices.
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=16,
                              min_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
+                             return_dict_in_generate=True, disable_compile=True)
         return out, cache
 
     (out1, cache1), (out0, _) = on_both(run, ids)
@@ -200,6 +202,36 @@ def test_turboquant_cache_generate(max_len, tmp_path):
         a = model(input_ids=step, past_key_values=loaded).logits
         b = model(input_ids=step, past_key_values=cache1).logits
     assert_same(a, b, "logits after reloading the cache")
+
+
+@torch.no_grad()
+def test_compiled_generate_on_cuda1():
+    """generate with transformers' compiled decode step (inductor, reduce-overhead) on cuda:1 while cuda:0 is
+    current: one graph, the current device untouched, the output on cuda:1, and the logits it chose its tokens
+    from equal to the eager model's on those tokens within test_hf_gpu.py's kernel tolerance.  cuda:0's memory is
+    not checked here: inductor's autotuner allocates its L2-flush buffer on the current device (torch's
+    benchmarking.py, `device=device_type`; 60 MiB on an H200), which is torch's doing, not a kernel's."""
+    import transformers
+    from hf_models import random_ids, teacher_forced_logits, tiny_llama
+
+    from turboattn.hf import TurboQuantCache
+
+    prefill, new, rel_tol = 40, 16, 2.5e-2
+    model = tiny_llama().to(OTHER)
+    ids = random_ids(prefill, batch=2).to(OTHER)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=TurboQuantCache(
+                             model.config, max_cache_len=96), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                         compile_config=transformers.CompileConfig(fullgraph=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert got.sequences.device == OTHER and torch.cuda.current_device() == 0
+    forced = teacher_forced_logits(model, got.sequences, TurboQuantCache(model.config, max_cache_len=96),
+                                   prefill)[:, prefill - 1:-1]
+    logits = torch.stack(got.logits, 1)
+    assert logits.device == OTHER
+    assert rel_error(logits, forced) < rel_tol
 
 
 # -- where the kernels ran ---------------------------------------------------------------------------------------

@@ -14,6 +14,16 @@ output is not finite, so a run also fails on a silent wrong result.
            a 12-token question, then one-token steps, with and without a fitted key
            transform, at k4v3, k4v4, k8v8 and k5v3 (the configuration that once read
            shared memory out of bounds, BENCHMARKS.md).
+  cuda     the CUDA decode kernel: D 64 / 128 / 256 at every pair of 2, 4 and 8 bits it serves
+           (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
+           fresh tokens in the launch, sinks and softcap, ragged lengths and a sequence of one token.
+  options  the Triton paths of the cache options: exact recent window, exact first tokens,
+           bfloat16 scales, a static cache, and head dims that are not powers of two (80, 96).
+  flash    the dense kernels: causal prefill at D 64 / 128 / 512 and D 80, a boolean mask
+           (tile classification), sliding window with sinks, softcap and ALiBi, and the
+           split-K decode kernel with its reduction (Lq 1 and 4) at D 128 / 512.
+
+`tests/gpu/test_sanitizer.py` runs every case set under memcheck and racecheck.
 """
 
 from __future__ import annotations
@@ -26,12 +36,12 @@ from ...format.key_transform import fit_key_transform
 from .args import choices, positive_int
 from .common import require_cuda
 
-CASES = ("small", "passkey")
+CASES = ("small", "passkey", "cuda", "options", "flash")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", type=choices(*CASES), default=list(CASES),
-                        help="comma list of case sets: small, passkey (default both)")
+                        help="comma list of case sets: " + ", ".join(CASES) + " (default: all)")
     parser.add_argument("--prompt", type=positive_int, default=1500, help="prefill tokens of the passkey cases")
 
 
@@ -75,11 +85,80 @@ def passkey_cases(prompt: int):
             yield f"passkey k{bits[0]}v{bits[1]} {'fit' if fit else 'plain'} prompt={prompt}", out
 
 
+def cuda_cases():
+    """(name, output) of one-token steps the CUDA decode kernel serves (cached/cuda.py `supports`)."""
+    from ...ops.cached import cuda
+
+    pairs = ((4, 4), (8, 8), (2, 2), (4, 2), (8, 4), (2, 8))
+    for d in (64, 128, 256):
+        for bits in pairs if d == 128 else pairs[:2]:
+            for window in (None, 96):
+                cache = ta.QuantizedKVCache(ta.KVCodec(d, *bits), 3, 2, capacity=None if window else 400,
+                                            sliding_window=window, device="cuda")
+                k = _bf16(3, 2, 333, d)
+                cache.append(k, torch.randn_like(k), new_lengths=[333, 40, 1])   # a ring wraps at 96
+                for g, fresh in ((4, True), (1, False), (8, True)):
+                    q = _bf16(3, 2 * g, 1, d)
+                    assert cuda.supports(q, cache.codec, 2), "the case must reach the CUDA kernel"
+                    kf = _bf16(3, 2, 1, d) if fresh else None
+                    out = ta.cached_attention(q, cache, kf, None if kf is None else torch.randn_like(kf),
+                                              sinks=torch.randn(2 * g, device="cuda"),
+                                              softcap=30.0 if fresh else None)
+                    yield f"cuda D={d} k{bits[0]}v{bits[1]} window={window} group={g} fresh={fresh}", out
+
+
+def option_cases():
+    """(name, output) of the Triton cached-attention and quantize kernels with the cache options on."""
+    variants = (
+        ("exact_recent=32", 128, ta.KVCodec(128, 4, 4), dict(exact_recent=32)),
+        ("exact_first=4 exact_recent=16", 64, ta.KVCodec(64, 4, 3), dict(exact_first=4, exact_recent=16)),
+        ("bf16 scales", 128, ta.KVCodec(128, 4, 4, scale_dtype=torch.bfloat16), {}),
+        ("static", 128, ta.KVCodec(128, 4, 4), dict(static=True)),
+        ("D=80", 80, ta.KVCodec(80, 4, 4), {}),
+        ("D=96 ring", 96, ta.KVCodec(96, 5, 3), dict(sliding_window=64)),
+    )
+    for name, d, codec, options in variants:
+        capacity = None if "sliding_window" in options else 300
+        cache = ta.QuantizedKVCache(codec, 2, 2, capacity=capacity, device="cuda", **options)
+        k = _bf16(2, 2, 250, d)
+        cache.append(k, torch.randn_like(k), new_lengths=[250, 117])
+        for t in (3, 1):
+            kf = _bf16(2, 2, t, d)
+            out = ta.cached_attention(_bf16(2, 8, t, d), cache, kf, torch.randn_like(kf),
+                                      sinks=torch.randn(8, device="cuda"))
+            cache.append(kf, torch.randn_like(kf))
+            yield f"options {name} tokens={t}", out
+
+
+def flash_cases():
+    """(name, output) of the dense flash-attention kernels (prefill, tile classification, split-K decode)."""
+    for d in (64, 128, 512, 80):
+        q, k, v = _bf16(2, 4, 200, d), _bf16(2, 2, 230, d), _bf16(2, 2, 230, d)
+        yield f"flash prefill D={d} causal", ta.flash_attention(q, k, v, causal=True, backend="triton")
+    d = 128
+    q, k, v = _bf16(2, 4, 150, d), _bf16(2, 2, 300, d), _bf16(2, 2, 300, d)
+    keep = torch.rand(2, 1, 150, 300, device="cuda") > 0.3
+    keep[:, :, :, 64:192] = False          # whole tiles the classification skips
+    keep[0, :, 5] = False                  # a fully masked row
+    yield "flash prefill bool mask", ta.flash_attention(q, k, v, mask=keep, backend="triton")
+    yield "flash prefill window sinks softcap alibi", ta.flash_attention(
+        q, k, v, causal=True, sliding_window=70, sinks=torch.randn(4, device="cuda"), softcap=20.0,
+        alibi_slopes=torch.rand(4, device="cuda"), backend="triton")
+    for d in (128, 512):
+        for lq in (1, 4):
+            q, k, v = _bf16(2, 16, lq, d), _bf16(2, 2, 1000, d), _bf16(2, 2, 1000, d)
+            yield f"flash decode D={d} Lq={lq}", ta.flash_attention(
+                q, k, v, causal=True, sliding_window=600, sinks=torch.randn(16, device="cuda"), backend="triton")
+
+
+CASE_SETS = {"small": small_cases, "cuda": cuda_cases, "options": option_cases, "flash": flash_cases}
+
+
 def run(args) -> int:
     require_cuda()
     bad = 0
     for name in args.cases:
-        for case, out in (small_cases() if name == "small" else passkey_cases(args.prompt)):
+        for case, out in (passkey_cases(args.prompt) if name == "passkey" else CASE_SETS[name]()):
             torch.cuda.synchronize()
             finite = bool(torch.isfinite(out).all())
             bad += not finite

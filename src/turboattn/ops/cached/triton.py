@@ -455,9 +455,10 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     rk, rv = layout.recent_k, layout.recent_v
     fk, fv = layout.first_k, layout.first_v
     parts = plan.num_splits + int(has_fresh or exact or first)
-    # D = 512 rotates on the host: the in-kernel path for it (an H_256 split into H_128
-    # halves) gave wrong results on the GPU with 64-row query tiles, not yet understood.  The other head
-    # dims above 256 have halves of 256 columns too, and do the same.
+    # D = 512 rotates on the host: with q rotated in the kernel, Triton 3.6 addresses shared memory out of
+    # range in the score dot at 64-row tiles, whose [64, 256] q operands then come from registers (memcheck;
+    # the rotation itself is exact: BENCHMARKS.md).  The other head dims above 256 have halves of 256 columns
+    # too, and do the same.
     pre_rotated = d > 256
     key_xform = layout.has_key_transform
     if pre_rotated:
