@@ -56,13 +56,21 @@ def small_cases():
                             (64, (5, 6), None)):
         cache = ta.QuantizedKVCache(ta.KVCodec(d, *bits), 2, 2, capacity=None if window else 300,
                                     sliding_window=window, device="cuda")
-        k = _bf16(2, 2, 250, d)
-        cache.append(k, torch.randn_like(k), new_lengths=[250, 117])
-        for t in (3, 1):
-            kf = _bf16(2, 2, t, d)
-            out = ta.cached_attention(_bf16(2, 8, t, d), cache, kf, torch.randn_like(kf),
-                                      sinks=torch.randn(8, device="cuda"))
+        for t, out in _ragged_steps(cache, d, store_steps=False):
             yield f"D={d} k{bits[0]}v{bits[1]} window={window} tokens={t}", out
+
+
+def _ragged_steps(cache, d: int, store_steps: bool):
+    """(tokens, output) of a 3-token and a 1-token step (fresh k/v, sinks, 8 query heads over 2 KV heads) after
+    ragged prefills of 250 and 117 tokens; store_steps appends each step's k/v to the cache after it."""
+    k = _bf16(2, 2, 250, d)
+    cache.append(k, torch.randn_like(k), new_lengths=[250, 117])
+    for t in (3, 1):
+        kf = _bf16(2, 2, t, d)
+        vf = torch.randn_like(kf)
+        yield t, ta.cached_attention(_bf16(2, 8, t, d), cache, kf, vf, sinks=torch.randn(8, device="cuda"))
+        if store_steps:
+            cache.append(kf, vf)
 
 
 def passkey_cases(prompt: int):
@@ -120,13 +128,7 @@ def option_cases():
     for name, d, codec, options in variants:
         capacity = None if "sliding_window" in options else 300
         cache = ta.QuantizedKVCache(codec, 2, 2, capacity=capacity, device="cuda", **options)
-        k = _bf16(2, 2, 250, d)
-        cache.append(k, torch.randn_like(k), new_lengths=[250, 117])
-        for t in (3, 1):
-            kf = _bf16(2, 2, t, d)
-            out = ta.cached_attention(_bf16(2, 8, t, d), cache, kf, torch.randn_like(kf),
-                                      sinks=torch.randn(8, device="cuda"))
-            cache.append(kf, torch.randn_like(kf))
+        for t, out in _ragged_steps(cache, d, store_steps=True):
             yield f"options {name} tokens={t}", out
 
 
