@@ -14,8 +14,8 @@ output is not finite, so a run also fails on a silent wrong result.
            a 12-token question, then one-token steps, with and without a fitted key
            transform, at k4v3, k4v4, k8v8 and k5v3 (the configuration that once read
            shared memory out of bounds, BENCHMARKS.md).
-  cuda     the CUDA decode kernel: D 64 / 128 / 256 at every pair of 2, 4 and 8 bits it serves
-           (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
+  cuda     the CUDA decode kernel: k4v4 and k8v8 at D 64 / 128 / 256, and k2v2, k4v2, k8v4, k2v8 at
+           D 128 (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
            fresh tokens in the launch, sinks and softcap, ragged lengths and a sequence of one token.
   options  the Triton paths of the cache options: exact recent window, exact first tokens,
            bfloat16 scales, a static cache, and head dims that are not powers of two (80, 96).
