@@ -169,3 +169,24 @@ def test_public_entry_point_sdpa_dispatch(hkv):
     out = ta.flash_attention(q, k, v, causal=True)
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True, compute_dtype=torch.float64)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1.5e-2
+
+
+def _compiled_variants(*kernels) -> int:
+    """Compiled specializations of these @triton.jit kernels held by this process (Triton's JIT cache)."""
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_no_recompile_as_lengths_grow(path):
+    """A generation's growing key count (and its mask's row pitch) must not compile new kernels: one that
+    crossed a multiple of 16 used to compile mid-generation, half a second on the clock of a first run."""
+    from turboattn.ops.flash.decode import _decode_reduce, _flash_decode
+    from turboattn.ops.flash.prefill import _classify_tiles, _flash_fwd
+    kernels = (_flash_decode, _decode_reduce) if path == "decode" else (_flash_fwd, _classify_tiles)
+    counts = []
+    for lk in (61, 64, 65, 80, 513, 1024, 1500, 4099, 8192):
+        lq = 1 if path == "decode" else min(lk, 100)
+        mask = torch.rand(1, 1, lq, lk, device="cuda") > 0.1
+        _run(1, 9, 3, lq, lk, 64, mask=mask, path=path)
+        counts.append(_compiled_variants(*kernels))
+    assert counts[1:] == counts[:1] * (len(counts) - 1), counts

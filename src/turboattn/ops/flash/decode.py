@@ -17,7 +17,11 @@ from .config import decode_config, decode_num_splits
 from .tile import _load_user_bias, _tile_update
 
 
-@triton.jit(do_not_specialize=["Hkv", "group", "Lq", "Lk", "D", "window", "split_len", "n_splits"])
+# Lengths, and the mask strides that grow with them, stay generic (a mask's row pitch is the key count: its
+# divisibility by 16 would otherwise compile a new kernel in the middle of a generation).
+@triton.jit(do_not_specialize=["Hkv", "group", "Lq", "Lk", "D", "window", "split_len", "n_splits",
+                               "stride_mb", "stride_mh", "stride_mq"],
+            do_not_specialize_on_alignment=["Mask"])
 def _flash_decode(Q, K, V, Mask, KvStart, Slopes, Opart, LsePart,
                   stride_qb, stride_qh, stride_qm,
                   stride_kb, stride_kh, stride_kn,
@@ -149,7 +153,9 @@ def launch_decode(q, k, v, out, lse, mask_x, m_strides, kv_start, alibi_slopes, 
         qk_scale, softcap_l2,
         BLOCK_R=max(16, triton.next_power_of_2(n_rows)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
-    block_s = max(2, triton.next_power_of_2(n_splits))
+    # Sized for the most splits this batch shape reaches at any length, so that the merge does not recompile
+    # as a generation grows.
+    block_s = max(2, triton.next_power_of_2(max(n_splits, decode_num_splits(b * hkv, 1 << 30, block_n, q.device))))
     block_dc = min(block_d, max(16, 8192 // block_s))
     _decode_reduce[(b * hkv * n_rows, triton.cdiv(d, block_dc))](
         o_part, lse_part, sinks if sinks is not None else dummy, out, lse,

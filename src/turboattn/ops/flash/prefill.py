@@ -63,8 +63,12 @@ def _masked_edge(acc, m_i, l_i, q, lo, hi, K, V, k_desc, v_desc, b, hk, k_base, 
     return acc, m_i, l_i
 
 
-# Lengths and counts stay generic so one compiled kernel serves every shape.
-@triton.jit(do_not_specialize=["Hq", "group", "Lq", "Lk", "D", "window", "n_q_tiles", "n_k_tiles"])
+# Lengths and counts stay generic so one compiled kernel serves every shape; so do the mask and tile-class
+# strides, which are products of lengths.  (The q/k/v/out strides keep their divisibility: it proves the
+# alignment of vector loads, and with D a multiple of 16 it does not change with the length.)
+@triton.jit(do_not_specialize=["Hq", "group", "Lq", "Lk", "D", "window", "n_q_tiles", "n_k_tiles",
+                               "stride_mb", "stride_mh", "stride_mq", "cls_sb", "cls_sh"],
+            do_not_specialize_on_alignment=["Mask"])
 def _flash_fwd(Q, K, V, Out, Lse, Sinks, Slopes, KvStart, Mask, TileOrder, TileCount, TileClass,
                q_desc, k_desc, v_desc, o_desc,
                stride_qb, stride_qh, stride_qm,
@@ -200,7 +204,8 @@ def _flash_fwd(Q, K, V, Out, Lse, Sinks, Slopes, KvStart, Mask, TileOrder, TileC
 
 
 
-@triton.jit(do_not_specialize=["Hc", "Lq", "Lk", "window", "n_k_tiles"])
+@triton.jit(do_not_specialize=["Hc", "Lq", "Lk", "window", "n_k_tiles", "stride_mb", "stride_mh", "stride_mq"],
+            do_not_specialize_on_alignment=["Mask"])
 def _classify_tiles(Mask, KvStart, TileClass,
                     stride_mb, stride_mh, stride_mq, stride_mk,
                     Hc, Lq, Lk, window, n_k_tiles,
