@@ -128,7 +128,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     else:
         rows = tq * (hq // cache.num_kv_heads)
         plan_list = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
-                                min(cache.max_seen, cache.capacity), num_splits, kernel=impl).to_list()
+                                min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
+                                exact_rows=cache.exact_recent > 0 or cache.exact_first > 0).to_list()
     layout = cache.layout
     return run(
         "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,

@@ -67,6 +67,27 @@ def test_cuda_decode_other_bit_widths(d, bits, case):
     _check_against_reference(case, d, bits)
 
 
+# The quality presets' storage options on the CUDA kernel: bfloat16 scales, an exact recent window (one chunk,
+# several, longer than the cache), exact first tokens, every exact dtype, with rings, fresh tokens, key transforms,
+# softcap, sinks and several query rows.  (d, bits, scale dtype, cache options, case of CASES)
+OPTION_CASES = [
+    (128, (4, 4), torch.float32, dict(exact_recent=64), 0),
+    (128, (4, 4), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
+    (64, (4, 2), torch.bfloat16, dict(exact_recent=8, exact_first=4, exact_dtype=torch.float32), 2),
+    (128, (8, 8), torch.float32, dict(exact_recent=16, exact_dtype=torch.float16), 4),
+    (256, (4, 4), torch.bfloat16, dict(exact_recent=130, exact_first=4), 6),   # the window holds every token
+    (64, (2, 2), torch.bfloat16, dict(exact_recent=100), 8),                   # ring, window of 100 > 64 rows
+    (128, (4, 4), torch.float32, dict(exact_first=4), 2),
+    (128, (4, 8), torch.bfloat16, dict(exact_recent=24), 7),   # ring (exact first tokens need a contiguous cache)
+]
+
+
+@pytest.mark.parametrize("d,bits,scale_dtype,options,i", OPTION_CASES,
+                         ids=[f"D{c[0]}-k{c[1][0]}v{c[1][1]}-{str(c[2])[6:]}-{c[3]}-{c[4]}" for c in OPTION_CASES])
+def test_cuda_decode_cache_options(d, bits, scale_dtype, options, i):
+    _check_against_reference(CASES[i], d, bits, scale_dtype, options)
+
+
 def test_planned_residency_matches_the_launch_bound():
     """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound)."""
     ext = cuda._extension()
@@ -76,12 +97,15 @@ def test_planned_residency_matches_the_launch_bound():
                 assert cuda_ctas_per_sm(d, kb, vb) == ext.ctas_per_sm(d, kb, vb), (d, kb, vb)
 
 
-def _check_against_reference(case, d, bits=(4, 4)):
+def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, options=None):
     b, hkv, g, length, window, tq, fresh, softcap, with_sinks, fit, splits = case
-    torch.manual_seed(hash((case, d, bits)) % 2**31)
-    codec = ta.KVCodec(d, *bits)
+    options = options or {}
+    torch.manual_seed(hash((case, d, bits, str(scale_dtype), str(options))) % 2**31)
+    codec = ta.KVCodec(d, *bits, scale_dtype=scale_dtype)
     cache = ta.QuantizedKVCache(codec, b, hkv, capacity=None if window else length + tq, sliding_window=window,
-                                device="cuda")
+                                device="cuda", **options)
+    if options.get("exact_first"):   # exact first tokens follow the padding: it is set before any append
+        cache.set_left_padding(torch.arange(b) * 5)
     first = torch.randn(b, hkv, length // 3, d, device="cuda", dtype=torch.bfloat16) + 0.5
     if fit:
         qf = torch.randn(b, hkv * g, length // 3, d, device="cuda", dtype=torch.bfloat16)
@@ -89,10 +113,12 @@ def _check_against_reference(case, d, bits=(4, 4)):
     cache.append(first, torch.randn_like(first))
     rest = torch.randn(b, hkv, length - length // 3, d, device="cuda", dtype=torch.bfloat16) + 0.5
     cache.append(rest, torch.randn_like(rest))
-    cache.set_left_padding(torch.arange(b) * 5)
+    if not options.get("exact_first"):
+        cache.set_left_padding(torch.arange(b) * 5)
     q, kf, vf, sinks = decode_inputs(b, hkv, g, tq, d, fresh, with_sinks)
     poison_allocator()
-    assert cuda.supports(q, codec, hkv) == (tq * g <= 8)  # the cases are meant for the CUDA kernel
+    # The cases are meant for the CUDA kernel.
+    assert cuda.supports(q, codec, hkv, cache.exact_recent, cache.exact_first) == (tq * g <= 8)
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks, num_splits=splits)
     assert not out.isnan().any()
     ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sinks,
@@ -130,8 +156,9 @@ def test_cuda_decode_is_graph_capturable():
 BAD = [float("nan"), float("inf"), -float("inf")]
 
 
-def _cuda_pair(codec, b, hkv, k, v, capacity=None, sliding_window=None, padding=None, pieces=(None,)):
-    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=sliding_window, device="cuda")
+def _cuda_pair(codec, b, hkv, k, v, capacity=None, sliding_window=None, padding=None, pieces=(None,), **options):
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=capacity, sliding_window=sliding_window, device="cuda",
+                                **options)
     if padding is not None:
         cache.set_left_padding(padding)
     start = 0
@@ -147,11 +174,13 @@ def _check_nan_rows(got, want_nan, clean):
     assert torch.equal(got[~want_nan.cuda()], clean[~want_nan.cuda()])
 
 
+@pytest.mark.parametrize("options", [{}, dict(exact_recent=16)], ids=["codes", "exact-window"])
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("value", BAD, ids=["nan", "inf", "-inf"])
-def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value):
+def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options):
     """The last cached position of sequence 0, KV head 0 is poisoned; of two queries ending there, the first
-    does not see it.  3 splits: the NaN must cross the fused merge to exactly its rows."""
+    does not see it.  3 splits: the NaN must cross the fused merge to exactly its rows.  With an exact window
+    the position is read from the exact rows (the exact part), not from its codes."""
     gen = torch.Generator().manual_seed(7)
     codec = ta.KVCodec(128, 4, 4)
     b, hkv, g, t, tq = 2, 2, 4, 300, 2
@@ -160,8 +189,8 @@ def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value)
     (bad_k if kind == "k" else bad_v)[0, 0, t - 1, 5] = value
     q = torch.randn(b, hkv * g, tq, 128, generator=gen).to("cuda", torch.bfloat16)
     assert cuda.supports(q, codec, hkv)
-    clean = ta.cached_attention(q, _cuda_pair(codec, b, hkv, k, v, capacity=t), num_splits=3)
-    got = ta.cached_attention(q, _cuda_pair(codec, b, hkv, bad_k, bad_v, capacity=t), num_splits=3)
+    clean = ta.cached_attention(q, _cuda_pair(codec, b, hkv, k, v, capacity=t, **options), num_splits=3)
+    got = ta.cached_attention(q, _cuda_pair(codec, b, hkv, bad_k, bad_v, capacity=t, **options), num_splits=3)
     want_nan = torch.zeros(b, hkv * g, tq, dtype=torch.bool)
     want_nan[0, :g, 1] = True
     _check_nan_rows(got, want_nan, clean)

@@ -98,7 +98,8 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
         b, hq, tq, d = q.shape
         hkv = layout.num_kv_heads
         decode_plan = plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity,
-                                  plan[0] if plan else None, kernel=impl)
+                                  plan[0] if plan else None, kernel=impl,
+                                  exact_rows=exact_recent > 0 or exact_first > 0)
     with _on(q.device):
         return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
                                                       sinks=sinks, plan=decode_plan)

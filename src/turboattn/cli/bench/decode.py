@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import KVCodec, QuantizedKVCache, cached_attention
-from ..args import presets
+from ..args import non_negative_int, presets
 from .args import add_out
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
                      time_us_graph, write_results)
@@ -36,11 +36,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bits", type=presets, default=presets(BITS),
                         help="bit pairs to measure at every shape; the context sweep takes "
                              "the first two")
+    parser.add_argument("--exact-first", type=non_negative_int, default=0,
+                        help="exact first tokens kept in bf16")
+    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
+                        help="exact recent window kept in bf16")
+    parser.add_argument("--scale-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="how scales are stored")
+    parser.add_argument("--backend", choices=["auto", "triton"], default="auto",
+                        help="the cached-attention implementation (auto: the CUDA kernel where it serves)")
 
 
-def fill_cache(codec, b, hkv, length, device, capacity=None) -> QuantizedKVCache:
-    """A cache holding `length` random bf16 tokens per sequence (capacity: default `length`)."""
-    cache = QuantizedKVCache(codec, b, hkv, capacity=capacity or length, device=device)
+def fill_cache(codec, b, hkv, length, device, capacity=None, **options) -> QuantizedKVCache:
+    """A cache holding `length` random bf16 tokens per sequence (capacity: default `length`); options go to
+    QuantizedKVCache (exact_first, exact_recent)."""
+    cache = QuantizedKVCache(codec, b, hkv, capacity=capacity or length, device=device, **options)
     chunk = 8192
     for t0 in range(0, length, chunk):
         t = min(chunk, length - t0)
@@ -71,21 +80,26 @@ def sdpa_decode_us(q: torch.Tensor, hkv: int, length: int) -> tuple[float, int]:
     return time_us_graph(call), nbytes
 
 
-def measure(shape, bits, copy_tbs, device) -> dict:
+def measure(shape, bits, copy_tbs, device, exact_first=0, exact_recent=0, scale_dtype=torch.float32,
+            backend="auto") -> dict:
     b, hq, hkv, d, length = shape
-    codec = KVCodec(d, *bits)
-    ours_bytes = b * hkv * length * codec.bytes_per_token()
-    caches = [fill_cache(codec, b, hkv, length, device) for _ in range(l2_copies(ours_bytes))]
+    codec = KVCodec(d, *bits, scale_dtype=scale_dtype)
+    # Bytes a step reads: codes and scales of every token, plus the exact rows in bf16.
+    ours_bytes = b * hkv * (length * codec.bytes_per_token() + (exact_first + exact_recent) * 2 * d * 2)
+    options = dict(exact_first=exact_first, exact_recent=exact_recent)
+    caches = [fill_cache(codec, b, hkv, length, device, **options) for _ in range(l2_copies(ours_bytes))]
     q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
     rotation = itertools.cycle(caches)
-    ours_us = time_us_graph(lambda: cached_attention(q, next(rotation)))
-    ours_eager_us = time_us(lambda: cached_attention(q, caches[0]))  # do_bench flushes L2 before each call
+    ours_us = time_us_graph(lambda: cached_attention(q, next(rotation), backend=backend))
+    ours_eager_us = time_us(lambda: cached_attention(q, caches[0], backend=backend))  # do_bench flushes L2
     sdpa_us, sdpa_bytes = sdpa_decode_us(q, hkv, length)
     del caches
     torch.cuda.empty_cache()
     ours_tbs = ours_bytes / ours_us / 1e6
     return {
         "B": b, "Hq": hq, "Hkv": hkv, "D": d, "L": length, "k_bits": bits[0], "v_bits": bits[1],
+        "exact_first": exact_first, "exact_recent": exact_recent, "scale_dtype": str(scale_dtype),
+        "backend": backend,
         "ours_us": ours_us, "ours_eager_us": ours_eager_us, "sdpa_us": sdpa_us, "speedup": sdpa_us / ours_us,
         "ours_tbs": ours_tbs, "ours_frac_copy": ours_tbs / copy_tbs,
         "sdpa_tbs": sdpa_bytes / sdpa_us / 1e6, "sdpa_frac_copy": sdpa_bytes / sdpa_us / 1e6 / copy_tbs,
@@ -97,13 +111,15 @@ def run(args) -> int:
     copy_tbs = copy_bandwidth_tbs()
     results = []
     shapes = SHAPES[:2] if args.quick else SHAPES
+    options = dict(exact_first=args.exact_first, exact_recent=args.exact_recent,
+                   scale_dtype=getattr(torch, args.scale_dtype), backend=args.backend)
     for bits in args.bits:
         for shape in shapes:
-            results.append(measure(shape, bits, copy_tbs, device))
+            results.append(measure(shape, bits, copy_tbs, device, **options))
     sweep = []
     for bits in args.bits[:2]:
         for length in (SWEEP[::2] if args.quick else SWEEP):
-            sweep.append(measure((8, 32, 8, 128, length), bits, copy_tbs, device))
+            sweep.append(measure((8, 32, 8, 128, length), bits, copy_tbs, device, **options))
     env = environment()
     cols = ["B", "Hq", "Hkv", "D", "L", "bits", "ours µs", "SDPA µs", "speedup", "ours TB/s", "of copy",
             "SDPA of copy"]

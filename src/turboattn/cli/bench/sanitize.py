@@ -17,8 +17,10 @@ output is not finite, so a run also fails on a silent wrong result.
   cuda     the CUDA decode kernel: k4v4 and k8v8 at D 64 / 128 / 256, and k2v2, k4v2, k8v4, k2v8 at
            D 128 (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
            fresh tokens in the launch, sinks and softcap, ragged lengths and a sequence of one token.
-  options  the Triton paths of the cache options: exact recent window, exact first tokens,
-           bfloat16 scales, a static cache, and head dims that are not powers of two (80, 96).
+  options  the cache options: exact recent window, exact first tokens, bfloat16 scales, a
+           static cache, and head dims that are not powers of two (80, 96); the 3-token steps
+           (12 query rows per KV head) run the Triton kernel, the 1-token steps the CUDA kernel
+           where it serves the case (4-bit pairs at D 64 / 128).
   flash    the dense kernels: causal prefill at D 64 / 128 / 512 and D 80, a boolean mask
            (tile classification), sliding window with sinks, softcap and ALiBi, and the
            split-K decode kernel with its reduction (Lq 1 and 4) at D 128 / 512.
@@ -116,11 +118,14 @@ def cuda_cases():
 
 
 def option_cases():
-    """(name, output) of the Triton cached-attention and quantize kernels with the cache options on."""
+    """(name, output) of the cached-attention kernels (Triton; CUDA for the 1-token steps it serves) and the
+    quantize kernel with the cache options on."""
     variants = (
         ("exact_recent=32", 128, ta.KVCodec(128, 4, 4), dict(exact_recent=32)),
         ("exact_first=4 exact_recent=16", 64, ta.KVCodec(64, 4, 3), dict(exact_first=4, exact_recent=16)),
         ("bf16 scales", 128, ta.KVCodec(128, 4, 4, scale_dtype=torch.bfloat16), {}),
+        ("exact_first=4 exact_recent=64 bf16 scales", 64, ta.KVCodec(64, 4, 4, scale_dtype=torch.bfloat16),
+         dict(exact_first=4, exact_recent=64)),
         ("static", 128, ta.KVCodec(128, 4, 4), dict(static=True)),
         ("D=80", 80, ta.KVCodec(80, 4, 4), {}),
         ("D=96 ring", 96, ta.KVCodec(96, 5, 3), dict(sliding_window=64)),

@@ -86,9 +86,9 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
 
 
 def cuda_kernel_reads(scale_dtype: torch.dtype, exact_recent: int, exact_first: int) -> bool:
-    """Whether the CUDA kernel reads a cache stored this way: float32 scales, and neither an exact recent window
-    nor exact first tokens (it has no code for them; such calls go to Triton)."""
-    return scale_dtype == torch.float32 and not exact_recent and not exact_first
+    """Whether the CUDA kernel reads a cache stored this way: float32 or bfloat16 scales, with or without exact
+    rows (an exact recent window, exact first tokens: one more CTA attends them)."""
+    return scale_dtype in (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,19 @@ def _tile(head_dim: int) -> tuple[int, int, int]:
 @lru_cache(maxsize=4096)  # a decode loop asks the same question every step: host time matters
 def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, batch_kv_heads: int,
                 query_rows: int, max_tokens: int, num_splits: int | None = None,
-                programs_per_sm: int | None = None, kernel: str = "triton") -> DecodePlan:
+                programs_per_sm: int | None = None, kernel: str = "triton", exact_rows: bool = False) -> DecodePlan:
     """The plan for query_rows = Tq x GQA group rows per KV head over up to max_tokens cached keys.
 
     kernel: the implementation that will run it ("cuda" plans the CUDA kernel's splits where it serves).
+    exact_rows: the cache has exact rows; the CUDA kernel then adds one CTA per (sequence, KV head), which the
+    splits leave room for (one wave).
     """
     block_m = 16 if query_rows <= 16 else 64
     block_n, num_warps, num_stages = _tile(head_dim)
     if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
         resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
+        if exact_rows:
+            resident = max(resident - batch_kv_heads, batch_kv_heads)
         num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)

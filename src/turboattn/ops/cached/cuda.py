@@ -1,11 +1,11 @@
 """The CUDA fast path of cached attention: 2, 4 or 8-bit K and V at head_dim 64/128/256 on tensor cores
-(csrc/decode.cuh).
+(csrc/decode.cuh), float32 or bfloat16 scales.
 
-One launch covers the cache splits and their merge: the last CTA of each sequence x KV head attends the
-fresh k/v tokens (when given) in full precision, merges them with the splits, adds the sinks, rotates back
-and casts.  Calls the kernel does not serve (other bit widths or head dims, more than 8 query
-rows per KV head, GPUs before sm_80, a cache with an exact recent window, exact first tokens or bfloat16
-scales: not implemented here) go to the Triton path.  The extension is built with nvcc on first use
+One launch covers the cache splits and their merge: with exact rows (an exact recent window, exact first
+tokens), one more CTA attends them in full precision as one more part; the last CTA of each sequence x KV
+head attends the fresh k/v tokens (when given) in full precision, merges them with the parts, adds the
+sinks, rotates back and casts.  Calls the kernel does not serve (other bit widths or head dims, more than 8
+query rows per KV head, GPUs before sm_80) go to the Triton path.  The extension is built with nvcc on first use
 (torch.utils.cpp_extension).
 """
 
@@ -33,8 +33,9 @@ def _extension():
     """The compiled kernel module, or None (with a one-time warning) when it cannot be built here."""
     from torch.utils.cpp_extension import load
     try:
-        # One translation unit per head dim: ninja builds them in parallel.
-        sources = [CSRC / "binding.cpp"] + [CSRC / f"decode_d{d}.cu" for d in CUDA_HEAD_DIMS]
+        # One translation unit per head dim and variant (with or without exact rows): ninja builds them in parallel.
+        sources = [CSRC / "binding.cpp"] + [CSRC / f"decode_d{d}{variant}.cu" for d in CUDA_HEAD_DIMS
+                                            for variant in ("", "_exact")]
         return load(name="turboattn_decode", sources=[str(x) for x in sources],
                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_80,code=sm_80",
                                        "-gencode=arch=compute_90,code=sm_90"],
@@ -88,22 +89,27 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     rows = tq * (hq // hkv)
     ext = _extension() if supports(q, codec, hkv, layout.exact_recent, layout.exact_first) else None
     if ext is not None and plan is None:
-        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda")
-    if ext is None or plan.num_splits > CUDA_MAX_PARTS:
+        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda",
+                           exact_rows=layout.exact_recent > 0 or layout.exact_first > 0)
+    exact = layout.exact_recent > 0 or layout.exact_first > 0
+    num_parts = plan.num_splits + int(exact) if ext is not None else 0
+    if ext is None or num_parts > CUDA_MAX_PARTS:
         return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
     dev = q.device
     if q.stride(3) != 1:
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)
-    o_part, lse_part = part_buffers(q, hkv, plan.num_splits)
-    key_shift = None
+    o_part, lse_part = part_buffers(q, hkv, num_parts)
     if k is not None:
         # The kernel reads fresh k and v in q's dtype with one set of strides (unit stride along D).
         k, v = k.to(q.dtype), v.to(q.dtype)
         if k.stride() != v.stride() or k.stride(3) != 1:
             k, v = k.contiguous(), v.contiguous()
-        if layout.has_key_transform and layout.key_shifted:
-            key_shift = layout.key_shift
+    # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
+    shifted = (k is not None or exact) and layout.has_key_transform and layout.key_shifted
+    key_shift = layout.key_shift if shifted else None
+    recent = _row_pair(layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
+    first = _row_pair(layout.first_k, layout.first_v) if layout.exact_first else (None, None)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
     counters = layout.merge_counters if layout.merge_counters is not None else _counters(dev, b * hkv)
     if sinks is not None:
@@ -112,5 +118,14 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
                layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
                device_centroids(codec.k_bits, dev, torch.float32), device_centroids(codec.v_bits, dev, torch.float32),
                o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0, plan.num_splits,
-               plan.num_splits, layout.is_ring, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift)
+               num_parts, layout.is_ring, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift,
+               *recent, *first)
     return out
+
+
+def _row_pair(rows_k: torch.Tensor, rows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An exact-row pair as the kernel reads it: one set of strides, unit stride along D (the cache allocates
+    them so; a copy otherwise)."""
+    if rows_k.stride() != rows_v.stride() or rows_k.stride(3) != 1:
+        rows_k, rows_v = rows_k.contiguous(), rows_v.contiguous()
+    return rows_k, rows_v

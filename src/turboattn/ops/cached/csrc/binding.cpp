@@ -16,17 +16,23 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
             int64_t num_parts, bool ring, bool has_fresh, int64_t chunk_align,
             const c10::optional<torch::Tensor>& counters, const c10::optional<torch::Tensor>& out,
             const c10::optional<torch::Tensor>& sinks, const c10::optional<torch::Tensor>& k_new,
-            const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& key_shift) {
+            const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& key_shift,
+            const c10::optional<torch::Tensor>& recent_k, const c10::optional<torch::Tensor>& recent_v,
+            const c10::optional<torch::Tensor>& first_k, const c10::optional<torch::Tensor>& first_v) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.q_stride_t = q.stride(2);
-  p.q_dtype = q.scalar_type() == at::kHalf ? 0 : (q.scalar_type() == at::kBFloat16 ? 1 : 2);
+  auto dtype_code = [](const torch::Tensor& t) {
+    return t.scalar_type() == at::kHalf ? 0 : (t.scalar_type() == at::kBFloat16 ? 1 : 2);
+  };
+  p.q_dtype = dtype_code(q);
   p.k_codes = k_codes.data_ptr<uint8_t>();
-  p.k_scales = k_scales.data_ptr<float>();
+  p.k_scales = k_scales.data_ptr();
   p.v_codes = v_codes.data_ptr<uint8_t>();
-  p.v_scales = v_scales.data_ptr<float>();
+  p.v_scales = v_scales.data_ptr();
+  p.scale_bf16 = k_scales.scalar_type() == at::kBFloat16;  // else float32 (K and V alike)
   p.seen = seen.data_ptr<int>();
   p.starts = starts.data_ptr<int>();
   p.gain_inv = gain_inv.has_value() ? gain_inv->data_ptr<float>() : nullptr;
@@ -46,6 +52,25 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
     p.kv_stride_t = k_new->stride(2);
   }
   p.key_shift = key_shift.has_value() ? key_shift->data_ptr<float>() : nullptr;
+  // Exact rows: each pair shares strides and the exact dtype (cuda.py makes sure).
+  if (recent_k.has_value()) {
+    p.recent_k = recent_k->data_ptr();
+    p.recent_v = recent_v->data_ptr();
+    p.recent_stride_b = recent_k->stride(0);
+    p.recent_stride_h = recent_k->stride(1);
+    p.recent_stride_t = recent_k->stride(2);
+    p.exact_recent = recent_k->size(2) - 1;  // R rows and the scratch row
+    p.exact_dtype = dtype_code(*recent_k);
+  }
+  if (first_k.has_value()) {
+    p.first_k = first_k->data_ptr();
+    p.first_v = first_v->data_ptr();
+    p.first_stride_b = first_k->stride(0);
+    p.first_stride_h = first_k->stride(1);
+    p.first_stride_t = first_k->stride(2);
+    p.exact_first = first_k->size(2);
+    p.exact_dtype = dtype_code(*first_k);
+  }
   p.q_scale = static_cast<float>(q_scale);
   p.softcap = static_cast<float>(softcap);
   p.tq = q.size(2);
@@ -65,10 +90,17 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   const int batch_kv_heads = k_codes.size(0) * k_codes.size(1);
   const int head_dim = q.size(3);
+  const bool exact = p.exact_recent > 0 || p.exact_first > 0;
+  TORCH_CHECK(num_parts == num_splits + (exact ? 1 : 0), "turboattn decode: num_parts must be num_splits",
+              exact ? " + 1 (the exact part)" : "");
   int err = -1;
-  if (head_dim == 64) err = launch_decode_d64(p, k_bits, v_bits, num_splits, batch_kv_heads, stream);
-  else if (head_dim == 128) err = launch_decode_d128(p, k_bits, v_bits, num_splits, batch_kv_heads, stream);
-  else if (head_dim == 256) err = launch_decode_d256(p, k_bits, v_bits, num_splits, batch_kv_heads, stream);
+  if (head_dim == 64) {
+    err = (exact ? launch_decode_d64_exact : launch_decode_d64)(p, k_bits, v_bits, batch_kv_heads, stream);
+  } else if (head_dim == 128) {
+    err = (exact ? launch_decode_d128_exact : launch_decode_d128)(p, k_bits, v_bits, batch_kv_heads, stream);
+  } else if (head_dim == 256) {
+    err = (exact ? launch_decode_d256_exact : launch_decode_d256)(p, k_bits, v_bits, batch_kv_heads, stream);
+  }
   TORCH_CHECK(err != -1, "turboattn decode: no kernel for head_dim ", head_dim, ", k_bits ", k_bits, ", v_bits ", v_bits);
   TORCH_CHECK(err == 0, "turboattn decode launch failed: CUDA error ", err);
 }
@@ -81,6 +113,7 @@ int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "split-K decode over 2/4/8-bit K and V codes, D = 64 / 128 / 256");
+  m.def("decode", &decode, "split-K decode over 2/4/8-bit K and V codes (float32 or bfloat16 scales, exact rows), "
+        "D = 64 / 128 / 256");
   m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
 }

@@ -248,9 +248,16 @@ struct TileData {
 struct LanePointers {
   const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES
   const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES
-  const float* ks;    // K scale of key g
-  const float* vs;    // V scale of key g
+  const uint8_t* ks;  // K scale of key g (float32, or bfloat16 with bf16)
+  const uint8_t* vs;  // V scale of key g
+  bool bf16;
 };
+
+// The scale `key` keys after the lane's own (streamed).  A run-time choice: one uniform branch per tile.
+__device__ __forceinline__ float load_scale(const uint8_t* base, int key, bool bf16) {
+  if (bf16) return __uint_as_float(static_cast<uint32_t>(__ldcs(reinterpret_cast<const unsigned short*>(base) + key)) << 16);
+  return __ldcs(reinterpret_cast<const float*>(base) + key);
+}
 
 template <class S>
 __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, TileData<S>& t) {
@@ -260,8 +267,8 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     load_words<S::K::LANE_BYTES>(k + 8 * n * KR, t.kw[n]);
-    t.k_scale[n] = __ldcs(lp.ks + tile + 8 * n);
-    t.v_scale[n] = __ldcs(lp.vs + tile + 8 * n);
+    t.k_scale[n] = load_scale(lp.ks, tile + 8 * n, lp.bf16);
+    t.v_scale[n] = load_scale(lp.vs, tile + 8 * n, lp.bf16);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) load_words<S::V::LANE_BYTES>(v + ((j & 1) + 8 * (j >> 1)) * VR, t.vw[j]);
@@ -275,8 +282,8 @@ __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int ti
   for (int n = 0; n < 2; ++n) {
     const int slot = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
     load_words<S::K::LANE_BYTES>(lp.k + (size_t)slot * S::K::ROW_BYTES, t.kw[n]);
-    t.k_scale[n] = __ldcs(lp.ks + slot);
-    t.v_scale[n] = __ldcs(lp.vs + slot);
+    t.k_scale[n] = load_scale(lp.ks, slot, lp.bf16);
+    t.v_scale[n] = load_scale(lp.vs, slot, lp.bf16);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -487,7 +494,236 @@ constexpr int table_bytes() { return Shape<D, KB, VB>::TABLE_WORDS * 4; }
 // address is still a constant, so table addresses stay immediates.
 extern __shared__ __align__(16) uint32_t code_tables[];
 
-template <int D, int KB, int VB>
+// Count this CTA's part in (after making it visible); the last CTA of the (sequence, KV head) to arrive merges
+// every part (the grid's x dimension counts the parts).  is_last: a shared flag.
+template <int D>
+__device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_rot, float* warp_ml, float* fresh_p,
+                                               const float* signs, int& is_last) {
+  const int bh = blockIdx.y;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(p.counters + bh, 1) == static_cast<int>(gridDim.x) - 1;
+    if (is_last) p.counters[bh] = 0;  // ready for the next call (and the next replay of a captured graph)
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p, signs);
+}
+
+// The exact part (the CTA with blockIdx.x == num_splits, in the kernels built for caches with exact rows): the
+// exact first tokens and the exact recent window, attended in full precision in the model's domain (scores
+// q . (k - key_shift), as the fresh tokens'), EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
+// beside the splits and must not outlast them), with no cross-lane reductions: a thread per exact row computes
+// that row's scores against every query row (q broadcast from shared memory), a warp per query row runs the
+// online softmax, then each thread accumulates two output dims over a group of the rows.  The groups' outputs
+// are added in a fixed order, normalized and rotated into the codes' domain, y = H (signs x) / sqrt(D) (the
+// merge's rotation back inverts it), so the merge takes the result as one more part.  A row with a non-finite k
+// or v scores NaN where it is seen, as fresh tokens do.  scratch: shared memory (the code tables' space, unused by
+// this CTA); q_s: shared [MAX_ROWS][D]; signs: shared [D].
+constexpr int EXACT_CHUNK = WARPS * 32;
+
+// Eight consecutive elements of an exact row (16 or 32 bytes, aligned) as floats.
+__device__ __forceinline__ void load8(const char* row, int dtype, int d0, float (&x)[8]) {
+  if (dtype == 2) {
+    const float4 a = reinterpret_cast<const float4*>(row)[d0 / 4], b = reinterpret_cast<const float4*>(row)[d0 / 4 + 1];
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    return;
+  }
+  const uint4 w = reinterpret_cast<const uint4*>(row)[d0 / 8];
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (dtype == 1) {
+      x[2 * i] = __uint_as_float(words[i] << 16), x[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+      x[2 * i] = f.x, x[2 * i + 1] = f.y;
+    }
+  }
+}
+
+// Two consecutive elements (d even) as floats.
+__device__ __forceinline__ float2 load2(const char* row, int dtype, int d) {
+  if (dtype == 2) return reinterpret_cast<const float2*>(row)[d / 2];
+  const uint32_t w = reinterpret_cast<const uint32_t*>(row)[d / 2];
+  if (dtype == 1) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+template <int D>
+__device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scratch, float* q_s, float* signs) {
+  constexpr int THREADS = WARPS * 32, RPW = MAX_ROWS / WARPS, CH = EXACT_CHUNK;
+  constexpr int PAIRS = D / 2, GROUPS = THREADS / PAIRS > 0 ? THREADS / PAIRS : 1;  // P V: row groups
+  static_assert(PAIRS <= THREADS, "P V gives each thread one pair of dims");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bh = blockIdx.y, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int seen = p.seen[b], start = p.starts[b];
+  const int qpos_base = p.has_fresh ? seen : seen - p.tq;
+  const int S = p.exact_first, R = p.exact_recent, total = S + R;
+  const int elem = p.exact_dtype == 2 ? 4 : 2;
+  const char** v_row = reinterpret_cast<const char**>(scratch);    // [CH]: the chunk's V rows (null: none)
+  float* s_s = reinterpret_cast<float*>(v_row + CH);               // [MAX_ROWS][CH]: scores, then weights
+  float* alpha_s = s_s + MAX_ROWS * CH;                            // [MAX_ROWS]: each query row's rescale
+  float* shift_s = alpha_s + MAX_ROWS;                             // [D]: the key shift
+  float* o_s = shift_s + D;                                        // [GROUPS][MAX_ROWS][D]: the groups' outputs
+  for (int i = tid; i < MAX_ROWS * D; i += THREADS) {
+    const int r = i / D, d = i % D, t = r / p.group, h = kvh * p.group + r % p.group;
+    q_s[i] = r < rows ? load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d) : 0.f;
+  }
+  for (int i = tid; i < D; i += THREADS) {
+    signs[i] = p.signs[i];
+    shift_s[i] = p.key_shift ? p.key_shift[(size_t)bh * D + i] : 0.f;
+  }
+  float m_r[RPW], l_r[RPW];   // warp w owns query rows w + k WARPS
+#pragma unroll
+  for (int k = 0; k < RPW; ++k) m_r[k] = -INFINITY, l_r[k] = 0.f;
+  const int pair = tid % PAIRS, group = tid / PAIRS;   // P V: dims 2 pair, 2 pair + 1 over rows group, group + GROUPS..
+  float acc[MAX_ROWS][2];
+#pragma unroll
+  for (int r = 0; r < MAX_ROWS; ++r) acc[r][0] = acc[r][1] = 0.f;
+  __syncthreads();
+
+  for (int c0 = 0; c0 < total; c0 += CH) {
+    // Scores of exact row j = c0 + tid (first rows, then the window's).
+    {
+      const int j = c0 + tid;
+      const char *kr = nullptr, *vr = nullptr;
+      int pos = 0;
+      if (j < S) {
+        pos = start + j;
+        const long long off = b * p.first_stride_b + kvh * p.first_stride_h + (long long)j * p.first_stride_t;
+        if (pos < seen)
+          kr = static_cast<const char*>(p.first_k) + off * elem, vr = static_cast<const char*>(p.first_v) + off * elem;
+      } else if (j < total) {
+        const int r = j - S;
+        pos = seen - R + ((r - seen) % R + R) % R;   // the p in [seen - R, seen) with p = r (mod R)
+        const long long off = b * p.recent_stride_b + kvh * p.recent_stride_h + (long long)r * p.recent_stride_t;
+        // Not padding, and not one of the first tokens (their rows win).
+        if (pos >= 0 && pos >= start + S)
+          kr = static_cast<const char*>(p.recent_k) + off * elem, vr = static_cast<const char*>(p.recent_v) + off * elem;
+      }
+      v_row[tid] = vr;
+      float dot[MAX_ROWS];
+#pragma unroll
+      for (int r = 0; r < MAX_ROWS; ++r) dot[r] = 0.f;
+      bool finite = true;
+      if (kr != nullptr) {
+#pragma unroll 1
+        for (int d0 = 0; d0 < D; d0 += 8) {
+          float kx[8], vx[8];
+          load8(kr, p.exact_dtype, d0, kx);
+          load8(vr, p.exact_dtype, d0, vx);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            finite = finite && isfinite(kx[e]) && isfinite(vx[e]);
+            kx[e] -= shift_s[d0 + e];
+          }
+#pragma unroll
+          for (int r = 0; r < MAX_ROWS; ++r) {
+            if (r >= rows) break;  // the same for every thread
+            const float4 qa = *reinterpret_cast<const float4*>(q_s + r * D + d0);
+            const float4 qb = *reinterpret_cast<const float4*>(q_s + r * D + d0 + 4);
+            dot[r] += qa.x * kx[0] + qa.y * kx[1] + qa.z * kx[2] + qa.w * kx[3] + qb.x * kx[4] + qb.y * kx[5] +
+                      qb.z * kx[6] + qb.w * kx[7];
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < MAX_ROWS; ++r) {
+        const int qpos = qpos_base + r / p.group;
+        float x = -INFINITY;
+        if (kr != nullptr && r < rows && pos <= qpos && (p.window <= 0 || qpos - pos < p.window)) {
+          x = dot[r] * p.q_scale;
+          if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
+          if (!finite) x = NAN;
+        }
+        s_s[r * CH + tid] = x;
+      }
+    }
+    __syncthreads();
+    // Online softmax, a warp per query row.  A hidden row's weight is -0 (its sign marks it: P V skips it).
+#pragma unroll
+    for (int k = 0; k < RPW; ++k) {
+      float* srow = s_s + (warp + k * WARPS) * CH;
+      float x[CH / 32];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < CH / 32; ++i) x[i] = srow[lane + 32 * i], mx = fmaxf(mx, x[i]);  // NaN passes by
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m_r[k], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_r[k] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < CH / 32; ++i) {
+        const float w = x[i] == -INFINITY ? -0.f : exp2f(x[i] - m_use);
+        sum += w;
+        srow[lane + 32 * i] = w;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      l_r[k] = l_r[k] * alpha + sum;
+      m_r[k] = m_new;
+      if (lane == 0) alpha_s[warp + k * WARPS] = alpha;
+    }
+    __syncthreads();
+    // P V: dims 2 pair, 2 pair + 1 over this group's rows.
+#pragma unroll
+    for (int r = 0; r < MAX_ROWS; ++r) acc[r][0] *= alpha_s[r], acc[r][1] *= alpha_s[r];
+    const int n = min(CH, total - c0);
+    if (group < GROUPS) {
+#pragma unroll 2
+      for (int jj = group; jj < n; jj += GROUPS) {
+        const char* vr = v_row[jj];
+        const float2 v = vr ? load2(vr, p.exact_dtype, 2 * pair) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int r = 0; r < MAX_ROWS; ++r) {
+          const float pr = s_s[r * CH + jj];
+          if (signbit(pr) && !isnan(pr)) continue;  // hidden from this query row (never 0 x inf)
+          acc[r][0] += pr * v.x, acc[r][1] += pr * v.y;
+        }
+      }
+    }
+    __syncthreads();  // the next chunk rewrites v_row and s_s
+  }
+
+  // The groups' outputs, then their sum in a fixed order (deterministic), normalized, rotated and stored.
+  if (group < GROUPS) {
+#pragma unroll
+    for (int r = 0; r < MAX_ROWS; ++r) {
+      o_s[(group * MAX_ROWS + r) * D + 2 * pair] = acc[r][0];
+      o_s[(group * MAX_ROWS + r) * D + 2 * pair + 1] = acc[r][1];
+    }
+  }
+  __syncthreads();
+  constexpr int N = D / 32;
+  const float norm = rsqrtf((float)D);
+#pragma unroll
+  for (int k = 0; k < RPW; ++k) {
+    const int r = warp + k * WARPS;
+    if (r >= rows) continue;
+    const float inv = l_r[k] != 0.f ? 1.f / l_r[k] : 0.f;  // nothing seen: 0; NaN stays NaN
+    float y[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float sum = 0.f;
+      for (int g = 0; g < GROUPS; ++g) sum += o_s[(g * MAX_ROWS + r) * D + lane * N + i];
+      y[i] = sum * inv * signs[lane * N + i];
+    }
+    hadamard_warp<D>(y, lane);
+    const size_t part = ((size_t)bh * p.num_parts + p.num_splits) * rows + r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) p.o_part[part * D + lane * N + i] = y[i] * norm;
+    if (lane == 0) p.lse_part[part] = l_r[k] != 0.f ? m_r[k] + log2f(l_r[k]) : -INFINITY;
+  }
+}
+
+// EXACT: built for caches with exact rows (one more CTA attends them); a separate build keeps that code out of the
+// other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
+template <int D, int KB, int VB, bool EXACT>
 __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode(const DecodeParams p) {
   using S = Shape<D, KB, VB>;
   // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
@@ -508,8 +744,19 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
   const int rows = p.tq * p.group;
 
+  // One more CTA attends the exact rows (part num_splits), then joins the merge.
+  if constexpr (EXACT) {
+    if (split == p.num_splits) {
+      exact_part<D>(p, code_tables, q_rot, signs);
+      if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+      return;
+    }
+  }
   // This split's slots, narrowed to what some query can see (as the Triton kernel does).
   const int seen = p.seen[b], start = p.starts[b];
+  // The codes serve positions [code_lo, code_hi): the exact first tokens and the exact window are read in full
+  // precision by the exact part instead.
+  const int code_lo = start + p.exact_first, code_hi = seen - p.exact_recent;
   const int held = min(seen, p.capacity);
   int chunk = (held + p.num_splits - 1) / p.num_splits;
   chunk = (chunk + p.chunk_align - 1) / p.chunk_align * p.chunk_align;
@@ -525,9 +772,11 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   const int qpos[2] = {qpos_base + (2 * c) / p.group, qpos_base + (2 * c + 1) / p.group};
 
   const size_t row0 = (size_t)bh * p.capacity;
+  const int scale_bytes = p.scale_bf16 ? 2 : 4;
   const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + c * S::K::LANE_BYTES,
-                        p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + g * S::V::LANE_BYTES, p.k_scales + row0 + g,
-                        p.v_scales + row0 + g};
+                        p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + g * S::V::LANE_BYTES,
+                        static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * scale_bytes,
+                        static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * scale_bytes, p.scale_bf16 != 0};
   auto load = [&](int tile, TileData<S>& t) {
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
     else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
@@ -535,7 +784,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   const uint32_t k_lane = lane * 4 * CodeTable<KB>::ENTRY_WORDS, v_lane = lane * 4 * CodeTable<VB>::ENTRY_WORDS;
   // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
   // the split's end, left padding and the window); a ring's tiles always take the masked path.
-  int safe_lo = start, safe_hi = min(hi, qpos_base + 1);
+  int safe_lo = code_lo, safe_hi = min(min(hi, qpos_base + 1), code_hi);
   if (p.window > 0) safe_lo = max(safe_lo, qpos_last - p.window + 1);
   if (p.ring) safe_hi = safe_lo - 1;
 
@@ -636,7 +885,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
         const int pos = position(slot);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          bool keep = slot < hi && pos >= start && pos <= qpos[e];
+          bool keep = slot < hi && pos >= code_lo && pos < code_hi && pos <= qpos[e];
           if (p.window > 0) keep = keep && qpos[e] - pos < p.window;
           if (!keep) s[2 * n + e] = -INFINITY;
         }
@@ -738,24 +987,13 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     p.o_part[part * D + d] = lsum != 0.f ? o / lsum : 0.f;
     if (d == 0) p.lse_part[part] = lsum != 0.f ? m_use + log2f(lsum) : -INFINITY;
   }
-  if (p.counters == nullptr) return;
-  // Fused merge: count this part in (after making it visible); the last CTA of the (sequence, KV head) merges.
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    is_last = atomicAdd(p.counters + bh, 1) == p.num_splits - 1;
-    if (is_last) p.counters[bh] = 0;  // ready for the next call (and the next replay of a captured graph)
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p, signs);
+  if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
 }
 
-// Launches decode<D, KB, VB>.  Past 48 KB of dynamic shared memory a kernel needs an allowance, set once per
+// Launches decode<D, KB, VB, EXACT>.  Past 48 KB of dynamic shared memory a kernel needs an allowance, set once per
 // device (function attributes belong to a device's context; the binding made q's device current).
-template <int D, int KB, int VB>
-int launch(const DecodeParams& params, int num_splits, int batch_kv_heads, cudaStream_t stream) {
+template <int D, int KB, int VB, bool EXACT>
+int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
   constexpr int smem = table_bytes<D, KB, VB>();
   if constexpr (smem > 48 * 1024) {
     static bool allowed[64] = {};
@@ -763,33 +1001,33 @@ int launch(const DecodeParams& params, int num_splits, int batch_kv_heads, cudaS
     cudaGetDevice(&device);
     if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
     if (!allowed[device]) {
-      const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       if (err != cudaSuccess) return static_cast<int>(err);
       allowed[device] = true;
     }
   }
-  decode<D, KB, VB><<<dim3(num_splits, batch_kv_heads), WARPS * 32, smem, stream>>>(params);
+  // One CTA per split, plus the exact part's (params.num_parts counts both).
+  decode<D, KB, VB, EXACT><<<dim3(params.num_parts, batch_kv_heads), WARPS * 32, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
-// decode<D, KB, VB> for run-time bit widths (2, 4 or 8 each): -1 for others.
-template <int D, int KB>
-int launch_for_v(const DecodeParams& params, int v_bits, int num_splits, int batch_kv_heads, cudaStream_t stream) {
+// decode<D, KB, VB, EXACT> for run-time bit widths (2, 4 or 8 each): -1 for others.
+template <int D, bool EXACT, int KB>
+int launch_for_v(const DecodeParams& params, int v_bits, int batch_kv_heads, cudaStream_t stream) {
   switch (v_bits) {
-    case 2: return launch<D, KB, 2>(params, num_splits, batch_kv_heads, stream);
-    case 4: return launch<D, KB, 4>(params, num_splits, batch_kv_heads, stream);
-    case 8: return launch<D, KB, 8>(params, num_splits, batch_kv_heads, stream);
+    case 2: return launch<D, KB, 2, EXACT>(params, batch_kv_heads, stream);
+    case 4: return launch<D, KB, 4, EXACT>(params, batch_kv_heads, stream);
+    case 8: return launch<D, KB, 8, EXACT>(params, batch_kv_heads, stream);
     default: return -1;
   }
 }
 
-template <int D>
-int launch_decode_for(const DecodeParams& params, int k_bits, int v_bits, int num_splits, int batch_kv_heads,
-                      cudaStream_t stream) {
+template <int D, bool EXACT>
+int launch_decode_for(const DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads, cudaStream_t stream) {
   switch (k_bits) {
-    case 2: return launch_for_v<D, 2>(params, v_bits, num_splits, batch_kv_heads, stream);
-    case 4: return launch_for_v<D, 4>(params, v_bits, num_splits, batch_kv_heads, stream);
-    case 8: return launch_for_v<D, 8>(params, v_bits, num_splits, batch_kv_heads, stream);
+    case 2: return launch_for_v<D, EXACT, 2>(params, v_bits, batch_kv_heads, stream);
+    case 4: return launch_for_v<D, EXACT, 4>(params, v_bits, batch_kv_heads, stream);
+    case 8: return launch_for_v<D, EXACT, 8>(params, v_bits, batch_kv_heads, stream);
     default: return -1;
   }
 }

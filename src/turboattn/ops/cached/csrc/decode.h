@@ -9,9 +9,10 @@ struct DecodeParams {
   long long q_stride_b, q_stride_h, q_stride_t;
   int q_dtype;  // 0 float16, 1 bfloat16, 2 float32
   const uint8_t* k_codes;
-  const float* k_scales;
+  const void* k_scales;   // float32, or bfloat16 with scale_bf16
   const uint8_t* v_codes;
-  const float* v_scales;
+  const void* v_scales;
+  int scale_bf16;
   const int* seen;
   const int* starts;
   const float* gain_inv;  // [B, Hkv, D] or nullptr
@@ -31,21 +32,39 @@ struct DecodeParams {
   const void* v_new;
   long long kv_stride_b, kv_stride_h, kv_stride_t;
   const float* key_shift;  // [B, Hkv, D] or nullptr
+  // Exact rows (exact_recent R > 0 and / or exact_first S > 0; format/layout.py): full-precision K and V in the
+  // model's domain, exact_dtype (0 float16, 1 bfloat16, 2 float32).  Recent: [B, Hkv, R + 1, D], position p in
+  // row p mod R for p in [seen - R, seen); first: [B, Hkv, S, D], position starts + j in row j.  The code splits
+  // skip those positions, and one more CTA (blockIdx.x == num_splits) attends the rows as part num_splits.
+  const void* recent_k;
+  const void* recent_v;
+  long long recent_stride_b, recent_stride_h, recent_stride_t;
+  const void* first_k;
+  const void* first_v;
+  long long first_stride_b, first_stride_h, first_stride_t;
+  int exact_recent, exact_first, exact_dtype;
   float q_scale, softcap;  // softcap 0: none
   int tq, capacity, window, num_kv_heads, group, num_splits, num_parts, ring, has_fresh, chunk_align;
 };
 
 }  // namespace turboattn
 
-// Launch decode<D, k_bits, v_bits> (D = 64, 128, 256 by the function's name; bits 2, 4 or 8 each) on `stream`
-// (a cudaStream_t): the CUDA error code (0: none), or -1 for a bit width the kernel does not have.  One per head
-// dim, each in its own translation unit (decode_d*.cu) so that nvcc builds them in parallel.
-int launch_decode_d64(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
-                      int batch_kv_heads, void* stream);
-int launch_decode_d128(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
-                       int batch_kv_heads, void* stream);
-int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
-                       int batch_kv_heads, void* stream);
+// Launch decode<D, k_bits, v_bits, exact> (D = 64, 128, 256 by the function's name; bits 2, 4 or 8 each; the
+// _exact functions for caches with exact rows) on `stream` (a cudaStream_t), params.num_parts x batch_kv_heads
+// CTAs: the CUDA error code (0: none), or -1 for a bit width the kernel does not have.  Each in its own translation
+// unit (decode_d*.cu) so that nvcc builds them in parallel.
+int launch_decode_d64(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                      void* stream);
+int launch_decode_d128(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                       void* stream);
+int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                       void* stream);
+int launch_decode_d64_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                            void* stream);
+int launch_decode_d128_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                             void* stream);
+int launch_decode_d256_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                             void* stream);
 // CTAs per SM the kernel of that shape is built for (its launch bound), or -1.
 int ctas_per_sm_d64(int k_bits, int v_bits);
 int ctas_per_sm_d128(int k_bits, int v_bits);

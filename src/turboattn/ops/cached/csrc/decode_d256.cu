@@ -1,10 +1,11 @@
-// decode<256, k_bits, v_bits> for every bit pair: one translation unit per head dim, built in parallel.
+// decode<256, k_bits, v_bits, false> for every bit pair (caches without exact rows): one translation unit per head
+// dim and variant, built in parallel.
 #include "decode.cuh"
 
-int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int num_splits,
-                      int batch_kv_heads, void* stream) {
-  return turboattn::launch_decode_for<256>(params, k_bits, v_bits, num_splits, batch_kv_heads,
-                                          static_cast<cudaStream_t>(stream));
+int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                      void* stream) {
+  return turboattn::launch_decode_for<256, false>(params, k_bits, v_bits, batch_kv_heads,
+                                                 static_cast<cudaStream_t>(stream));
 }
 
 int ctas_per_sm_d256(int k_bits, int v_bits) { return turboattn::ctas_per_sm_for<256>(k_bits, v_bits); }
