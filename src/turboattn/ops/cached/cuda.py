@@ -48,7 +48,7 @@ def _extension():
 
 def build_extension() -> bool:
     """Build the kernel now (or load torch's cached build): False, with the warning, when it cannot be built.
-    Otherwise the first decode step on a GPU builds it (about a minute of nvcc, once per machine)."""
+    Otherwise the first decode step on a GPU builds it (two to three minutes of nvcc, once per machine)."""
     return _extension() is not None
 
 
