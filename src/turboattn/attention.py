@@ -11,7 +11,7 @@ from .cache import QuantizedKVCache
 from .format.codec import check_attention_dtype
 from .ops.library import run
 from .ops.backend import choose
-from .ops.cached.config import DecodePlan, cuda_kernel_reads, plan_decode
+from .ops.cached.config import DecodePlan, plan_decode
 
 
 def _check_tensor(name: str, t, dims: int) -> None:
@@ -117,8 +117,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
     impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
-    if impl == "cuda" and not cuda_kernel_reads(cache.codec.scale_dtype, cache.exact_recent, cache.exact_first):
-        impl = "triton"   # planned for the kernel that will run
+    layout = cache.layout
     if plan is not None:
         plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
     elif cache.is_static:
@@ -129,8 +128,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         rows = tq * (hq // cache.num_kv_heads)
         plan_list = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
                                 min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
-                                exact_rows=cache.exact_recent > 0 or cache.exact_first > 0).to_list()
-    layout = cache.layout
+                                exact_rows=layout.has_exact_rows).to_list()
     return run(
         "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
         layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,

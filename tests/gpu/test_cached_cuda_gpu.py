@@ -118,7 +118,7 @@ def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, op
     q, kf, vf, sinks = decode_inputs(b, hkv, g, tq, d, fresh, with_sinks)
     poison_allocator()
     # The cases are meant for the CUDA kernel.
-    assert cuda.supports(q, codec, hkv, cache.exact_recent, cache.exact_first) == (tq * g <= 8)
+    assert cuda.supports(q, codec, hkv) == (tq * g <= 8)
     out = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks, num_splits=splits)
     assert not out.isnan().any()
     ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, softcap=softcap, sinks=sinks,

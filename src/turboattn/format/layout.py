@@ -87,6 +87,11 @@ class CacheLayout:
         return self.sliding_window is not None
 
     @property
+    def has_exact_rows(self) -> bool:
+        """Whether some positions are read from full-precision rows (an exact recent window, exact first tokens)."""
+        return self.exact_recent > 0 or self.exact_first > 0
+
+    @property
     def has_key_transform(self) -> bool:
         return self.key_gain is not None
 

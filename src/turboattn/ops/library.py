@@ -99,7 +99,7 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
         hkv = layout.num_kv_heads
         decode_plan = plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity,
                                   plan[0] if plan else None, kernel=impl,
-                                  exact_rows=exact_recent > 0 or exact_first > 0)
+                                  exact_rows=layout.has_exact_rows)
     with _on(q.device):
         return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
                                                       sinks=sinks, plan=decode_plan)

@@ -85,12 +85,6 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
     return min(by_smem, by_regs)
 
 
-def cuda_kernel_reads(scale_dtype: torch.dtype, exact_recent: int, exact_first: int) -> bool:
-    """Whether the CUDA kernel reads a cache stored this way: float32 or bfloat16 scales, with or without exact
-    rows (an exact recent window, exact first tokens: one more CTA attends them)."""
-    return scale_dtype in (torch.float32, torch.bfloat16)
-
-
 @dataclass(frozen=True)
 class DecodePlan:
     block_m: int       # query rows (Tq x GQA group) per program

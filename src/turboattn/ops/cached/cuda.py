@@ -21,7 +21,7 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from .config import CUDA_HEAD_DIMS, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_reads, cuda_kernel_serves, plan_decode
+from .config import CUDA_HEAD_DIMS, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
 from .triton import cached_attention_triton, part_buffers, query_scale
 
 CSRC = Path(__file__).with_name("csrc")
@@ -57,13 +57,12 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int, exact_recent: int = 0,
-             exact_first: int = 0) -> bool:
+def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     """Whether the CUDA kernel serves this call (the rest goes to the Triton kernels): its shape
-    (config.cuda_kernel_serves), the cache's storage (config.cuda_kernel_reads) and the GPU."""
+    (config.cuda_kernel_serves) and the GPU.  Every storage option of the format is read (either scale dtype,
+    exact rows)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return (q.is_cuda and cuda_kernel_reads(codec.scale_dtype, exact_recent, exact_first)
-            and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device))
+    return q.is_cuda and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device)
 
 
 @lru_cache(maxsize=None)
@@ -87,12 +86,12 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     rows = tq * (hq // hkv)
-    ext = _extension() if supports(q, codec, hkv, layout.exact_recent, layout.exact_first) else None
+    ext = _extension() if supports(q, codec, hkv) else None
+    exact = layout.has_exact_rows
     if ext is not None and plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda",
-                           exact_rows=layout.exact_recent > 0 or layout.exact_first > 0)
-    exact = layout.exact_recent > 0 or layout.exact_first > 0
-    num_parts = plan.num_splits + int(exact) if ext is not None else 0
+                           exact_rows=exact)
+    num_parts = plan.num_splits + int(exact) if ext is not None else 0   # the exact part is one more
     if ext is None or num_parts > CUDA_MAX_PARTS:
         return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
     dev = q.device

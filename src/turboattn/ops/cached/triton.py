@@ -551,7 +551,7 @@ def cached_attention_triton(q: torch.Tensor, layout: CacheLayout, codec: KVCodec
     hkv = layout.num_kv_heads
     if plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv), layout.capacity)
-    parts = plan.num_splits + int(k is not None or layout.exact_recent > 0 or layout.exact_first > 0)
+    parts = plan.num_splits + int(k is not None or layout.has_exact_rows)
     o_part, lse_part = part_buffers(q, hkv, parts)
     launch_parts(q, layout, codec, k, v, query_scale(d, scale, softcap), softcap, plan, o_part, lse_part)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
