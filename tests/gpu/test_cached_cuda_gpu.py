@@ -1,4 +1,5 @@
-"""The CUDA decode kernel (ops/cached/cuda.py, 2/4/8-bit K/V at head_dim 64/128/256) against the float64 reference
+"""The CUDA decode kernel (ops/cached/cuda.py, the bit pairs of CUDA_BIT_PAIRS at head_dim 64/128/256) against the
+float64 reference
 (pytest -m gpu).
 
 backend="auto" picks it on CUDA tensors; backend="triton" forces the portable kernel, which serves as a
@@ -12,7 +13,8 @@ import turboattn as ta
 from turboattn.format.key_transform import fit_key_transform
 from turboattn.ops import backend
 from turboattn.ops.cached import cuda
-from turboattn.ops.cached.config import CUDA_BITS, CUDA_HEAD_DIMS, cuda_ctas_per_sm
+from turboattn.format.codec import SUPPORTED_BITS
+from turboattn.ops.cached.config import CUDA_BIT_PAIRS, CUDA_HEAD_DIMS, cuda_ctas_per_sm
 from turboattn.ops.cached.naive import cached_attention_naive
 
 from gpu_decode_inputs import decode_inputs, poison_allocator, rel_error
@@ -46,9 +48,10 @@ def test_the_extension_builds():
 HEAD_DIM_CASES = [(d, CASES[i]) for d in (64, 256) for i in (0, 1, 2, 4, 7, 8)]
 
 
-# Every bit pair at every head dim: the per-width fragment code (KeyCodes, ValueCodes, CodeTable), two tables
-# where the widths differ, and the tail load of 2-bit values at D = 64 (2 bytes per lane).
-BIT_PAIRS = [(kb, vb) for kb in CUDA_BITS for vb in CUDA_BITS if (kb, vb) != (4, 4)]
+# Every built bit pair at every head dim: the per-width fragment code (KeyCodes, ValueCodes, CodeTable), the merge
+# of two bit planes (3, 5, 6 bits) with each lane's high-plane slice and shift, two tables where the widths differ,
+# and the tail load of 2 and 3-bit values at D = 64 (2 bytes per lane and plane).
+BIT_PAIRS = sorted(CUDA_BIT_PAIRS - {(4, 4)})
 BITS_CASES = [(d, bits, CASES[i]) for d in CUDA_HEAD_DIMS for bits in BIT_PAIRS for i in ((1, 7) if d == 128 else (8,))]
 
 
@@ -79,6 +82,10 @@ OPTION_CASES = [
     (64, (2, 2), torch.bfloat16, dict(exact_recent=100), 8),                   # ring, window of 100 > 64 rows
     (128, (4, 4), torch.float32, dict(exact_first=4), 2),
     (128, (4, 8), torch.bfloat16, dict(exact_recent=24), 7),   # ring (exact first tokens need a contiguous cache)
+    # The quality presets (QUALITY.md): SmolLM2's k4v3 at D = 64, Gemma-3's k5v3 at D = 256.
+    (64, (4, 3), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
+    (256, (5, 3), torch.bfloat16, dict(exact_recent=8, exact_first=4), 0),
+    (128, (6, 6), torch.bfloat16, dict(exact_recent=32), 4),
 ]
 
 
@@ -89,12 +96,16 @@ def test_cuda_decode_cache_options(d, bits, scale_dtype, options, i):
 
 
 def test_planned_residency_matches_the_launch_bound():
-    """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound)."""
+    """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound),
+    and config.CUDA_BIT_PAIRS the pairs csrc/decode.h builds (ctas_per_sm is -1 for the others)."""
     ext = cuda._extension()
     for d in CUDA_HEAD_DIMS:
-        for kb in CUDA_BITS:
-            for vb in CUDA_BITS:
-                assert cuda_ctas_per_sm(d, kb, vb) == ext.ctas_per_sm(d, kb, vb), (d, kb, vb)
+        for kb in SUPPORTED_BITS:
+            for vb in SUPPORTED_BITS:
+                built = ext.ctas_per_sm(d, kb, vb)
+                assert (built != -1) == ((kb, vb) in CUDA_BIT_PAIRS), (d, kb, vb)
+                if built != -1:
+                    assert cuda_ctas_per_sm(d, kb, vb) == built, (d, kb, vb)
 
 
 def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, options=None):

@@ -6,8 +6,8 @@ evaluation corpus).  Runs on the CPU (the exact PyTorch path) and on a CUDA GPU
 (Triton kernels, bf16) when one is present.  `--synthetic` prints the older
 codec-only table (quantization error of synthetic K/V per preset), no model.
 
-On a GPU the first run on a machine builds the CUDA decode kernel (two to
-three minutes of nvcc; `make install` does it ahead, `turboattn info --build-kernels`)
+On a GPU the first run on a machine builds the CUDA decode kernel (under a
+minute of nvcc; `make install` does it ahead, `turboattn info --build-kernels`)
 and compiles the Triton kernels (seconds); both are cached for later runs.  The
 demo does this before it times anything, so the times it prints are the same
 on the first run and later ones.
@@ -99,7 +99,7 @@ def run_demo(args) -> int:
     if device == "cuda":
         # The first decode steps on a GPU build and compile kernels (cached for later runs): do it untimed.
         t0 = time.time()
-        console.print("Preparing the GPU kernels (the first run on a machine builds them: up to three minutes; "
+        console.print("Preparing the GPU kernels (the first run on a machine builds them: about a minute; "
                       "later runs reuse the build) ...")
         with torch.no_grad():
             for make in make_caches.values():

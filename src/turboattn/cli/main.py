@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("info", "versions, device and the table of cache formats")
     p.add_argument("--build-kernels", action="store_true",
-                   help="build the CUDA decode kernel now (nvcc, two to three minutes, once per machine: torch caches "
+                   help="build the CUDA decode kernel now (nvcc, under a minute, once per machine: torch caches "
                         "the build) instead of at the first decode step; `make install` runs this on GPU machines")
     p.set_defaults(func=_cmd_info)
 

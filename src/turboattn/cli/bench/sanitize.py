@@ -14,13 +14,13 @@ output is not finite, so a run also fails on a silent wrong result.
            a 12-token question, then one-token steps, with and without a fitted key
            transform, at k4v3, k4v4, k8v8 and k5v3 (the configuration that once read
            shared memory out of bounds, BENCHMARKS.md).
-  cuda     the CUDA decode kernel: k4v4 and k8v8 at D 64 / 128 / 256, and k2v2, k4v2, k8v4, k2v8 at
-           D 128 (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
+  cuda     the CUDA decode kernel: k4v4, k8v8, k4v3 and k5v3 at D 64 / 128 / 256, and k2v2, k4v2, k8v4,
+           k2v8, k3v3, k6v6 at D 128 (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
            fresh tokens in the launch, sinks and softcap, ragged lengths and a sequence of one token.
   options  the cache options: exact recent window, exact first tokens, bfloat16 scales, a
            static cache, and head dims that are not powers of two (80, 96); the 3-token steps
            (12 query rows per KV head) run the Triton kernel, the 1-token steps the CUDA kernel
-           where it serves the case (4-bit pairs at D 64 / 128).
+           where it serves the case (D 64 / 128).
   flash    the dense kernels: causal prefill at D 64 / 128 / 512 and D 80, a boolean mask
            (tile classification), sliding window with sinks, softcap and ALiBi, and the
            split-K decode kernel with its reduction (Lq 1 and 4) at D 128 / 512.
@@ -99,9 +99,11 @@ def cuda_cases():
     """(name, output) of one-token steps the CUDA decode kernel serves (cached/cuda.py `supports`)."""
     from ...ops.cached import cuda
 
-    pairs = ((4, 4), (8, 8), (2, 2), (4, 2), (8, 4), (2, 8))
+    # Every head dim: one-plane and two-plane codes (3, 5 bits: the high plane's slice per lane); D = 128 adds
+    # the other widths' pairs.
+    pairs = ((4, 4), (8, 8), (4, 3), (5, 3), (2, 2), (4, 2), (8, 4), (2, 8), (3, 3), (6, 6))
     for d in (64, 128, 256):
-        for bits in pairs if d == 128 else pairs[:2]:
+        for bits in pairs if d == 128 else pairs[:4]:
             for window in (None, 96):
                 cache = ta.QuantizedKVCache(ta.KVCodec(d, *bits), 3, 2, capacity=None if window else 400,
                                             sliding_window=window, device="cuda")

@@ -23,9 +23,9 @@ LOOKUPS = ("gather", "lut")
 PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 1024
 
-# The CUDA kernel (cuda.py): K and V codes of 2, 4 or 8 bits each at these head dims, at most 8 query rows per KV
-# head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule (cuda_num_splits)
-# is fitted to split-count sweeps on an H100 (BENCHMARKS.md).
+# The CUDA kernel (cuda.py): the (K bits, V bits) pairs of CUDA_BIT_PAIRS at these head dims, at most 8 query rows
+# per KV head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule
+# (cuda_num_splits) is fitted to split-count sweeps on an H100 (BENCHMARKS.md).
 CUDA_HEAD_DIMS = (64, 128, 256)
 # The Triton kernels of the compressed cache (cached attention, quantize-append) serve every head dim of the
 # format: powers of two in the plain layout, the others (D = P * m, m odd) in the padded layout of
@@ -42,7 +42,10 @@ def check_kernel_head_dim(op: str, head_dim: int) -> None:
                          "use backend='torch' (or 'auto')")
 
 
-CUDA_BITS = (2, 4, 8)
+# Every preset of the format (csrc/decode.h's TURBOATTN_BIT_PAIRS; a GPU test compares the two): each pair is one
+# more kernel per head dim and variant to build, so not every one of the 36 pairs is built.
+CUDA_BIT_PAIRS = frozenset({(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (4, 3), (4, 4), (4, 8), (5, 3), (5, 4), (5, 5),
+                            (6, 6), (8, 2), (8, 4), (8, 8)})
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
 CUDA_MIN_KEYS_PER_SPLIT = 256
@@ -68,19 +71,23 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
 
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
     """Whether the CUDA kernel covers a call of this shape (the device check is cuda.py's)."""
-    return (head_dim in CUDA_HEAD_DIMS and k_bits in CUDA_BITS and v_bits in CUDA_BITS
-            and query_rows <= CUDA_MAX_ROWS)
+    return head_dim in CUDA_HEAD_DIMS and (k_bits, v_bits) in CUDA_BIT_PAIRS and query_rows <= CUDA_MAX_ROWS
 
 
 def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
     """CTAs per SM the CUDA kernel of this shape is built for: ctas_per_sm in csrc/decode.cuh, which is the
-    truth (its launch bound); a GPU test checks that the two agree.  Shared memory: one 32 KB byte -> fp16 table
-    per distinct bit width (64 KB for 2 bits), the static arrays and 1 KB reserved, out of 228 KB.  Registers:
-    4 CTAs (128 per thread) for k4v4 / k2v2 at D <= 128, 3 for other pairs, 2 at D = 256 (BENCHMARKS.md)."""
-    table = {2: 64 * 1024, 4: 32 * 1024, 8: 32 * 1024}
-    tables = table[k_bits] + (0 if k_bits == v_bits else table[v_bits])
+    truth (its launch bound); a GPU test checks that the two agree.  Shared memory, out of 228 KB: the byte -> fp16
+    tables (one per distinct bit width, 32 lanes' columns of 4-byte entries: 256 rows, 8-byte entries for 2 bits,
+    96 rows for 3, 2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static
+    arrays and 1 KB reserved.  Registers: 4 CTAs (128 per thread) for equal widths of at most 4 bits at D <= 128,
+    3 for other pairs, 2 at D = 256 (BENCHMARKS.md)."""
+    def table(bits: int) -> int:
+        rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
+        return rows * 32 * (8 if bits == 2 else 4)
+    tables = table(k_bits) + (0 if k_bits == v_bits else table(v_bits))
+    scratch = 4 * max(4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
     static = 4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if head_dim >= 256 else 0) + 2048
-    by_smem = 228 * 1024 // (tables + static + 1024)
+    by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
     by_regs = 2 if head_dim >= 256 else (4 if k_bits == v_bits and k_bits <= 4 else 3)
     return min(by_smem, by_regs)
 

@@ -1,12 +1,12 @@
-"""The CUDA fast path of cached attention: 2, 4 or 8-bit K and V at head_dim 64/128/256 on tensor cores
-(csrc/decode.cuh), float32 or bfloat16 scales.
+"""The CUDA fast path of cached attention: the bit pairs of config.CUDA_BIT_PAIRS (every preset: 2 to 8-bit K and V)
+at head_dim 64/128/256 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
 
 One launch covers the cache splits and their merge: with exact rows (an exact recent window, exact first
 tokens), one more CTA attends them in full precision as one more part; the last CTA of each sequence x KV
 head attends the fresh k/v tokens (when given) in full precision, merges them with the parts, adds the
-sinks, rotates back and casts.  Calls the kernel does not serve (other bit widths or head dims, more than 8
+sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
 query rows per KV head, GPUs before sm_80) go to the Triton path.  The extension is built with nvcc on first use
-(torch.utils.cpp_extension).
+(torch.utils.cpp_extension), for the GPUs this process sees.
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ def _extension():
         # One translation unit per head dim and variant (with or without exact rows): ninja builds them in parallel.
         sources = [CSRC / "binding.cpp"] + [CSRC / f"decode_d{d}{variant}.cu" for d in CUDA_HEAD_DIMS
                                             for variant in ("", "_exact")]
-        return load(name="turboattn_decode", sources=[str(x) for x in sources],
-                    extra_cuda_cflags=["-O3", "-gencode=arch=compute_80,code=sm_80",
-                                       "-gencode=arch=compute_90,code=sm_90"],
+        return load(name="turboattn_decode", sources=[str(x) for x in sources], extra_cuda_cflags=_nvcc_flags(),
                     extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as e:  # no nvcc, no compiler, unsupported toolkit: the Triton kernels still serve
         warnings.warn(f"turboattn: the CUDA decode kernel could not be built ({e}); using the Triton path",
@@ -46,9 +44,19 @@ def _extension():
         return None
 
 
+def _nvcc_flags() -> list[str]:
+    """Machine code for the sm_80+ GPUs this process sees, and nothing else (each architecture is a full build of
+    90 kernels); nvcc 12+ also spreads each translation unit's kernels over the cores (-split-compile=0)."""
+    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    flags = ["-O3"] + [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs if (a, b) >= (8, 0)]
+    if int((torch.version.cuda or "0").split(".")[0]) >= 12:
+        flags.append("-split-compile=0")
+    return flags
+
+
 def build_extension() -> bool:
     """Build the kernel now (or load torch's cached build): False, with the warning, when it cannot be built.
-    Otherwise the first decode step on a GPU builds it (two to three minutes of nvcc, once per machine)."""
+    Otherwise the first decode step on a GPU builds it (under a minute of nvcc, once per machine)."""
     return _extension() is not None
 
 

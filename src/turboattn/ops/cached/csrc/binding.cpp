@@ -93,6 +93,8 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
   const bool exact = p.exact_recent > 0 || p.exact_first > 0;
   TORCH_CHECK(num_parts == num_splits + (exact ? 1 : 0), "turboattn decode: num_parts must be num_splits",
               exact ? " + 1 (the exact part)" : "");
+  TORCH_CHECK(num_parts >= 1 && num_parts <= turboattn::MAX_PARTS, "turboattn decode: 1 to ", turboattn::MAX_PARTS,
+              " parts (the merge's scratch), got ", num_parts);
   int err = -1;
   if (head_dim == 64) {
     err = (exact ? launch_decode_d64_exact : launch_decode_d64)(p, k_bits, v_bits, batch_kv_heads, stream);
@@ -113,7 +115,7 @@ int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "split-K decode over 2/4/8-bit K and V codes (float32 or bfloat16 scales, exact rows), "
+  m.def("decode", &decode, "split-K decode over K and V codes of TURBOATTN_BIT_PAIRS (float32 or bfloat16 scales, exact rows), "
         "D = 64 / 128 / 256");
   m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
 }

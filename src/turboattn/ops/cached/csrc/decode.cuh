@@ -1,6 +1,6 @@
-// Split-K decode over a compressed cache on tensor cores (mma.sync m16n8k16): K and V codes of 2, 4 or 8 bits
-// each, head_dim 64 / 128 / 256.  Included by one translation unit per head dim (decode_d*.cu), so that nvcc
-// builds the head dims in parallel.
+// Split-K decode over a compressed cache on tensor cores (mma.sync m16n8k16): K and V codes of 2 to 8 bits (the
+// pairs of TURBOATTN_BIT_PAIRS, decode.h), head_dim 64 / 128 / 256.  Included by one translation unit per head dim
+// and variant (decode_d*.cu), so that nvcc builds them in parallel.
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
 // online softmax, and the warps are combined at the end.  Keys sit on the MMA's M side ("swap AB": a decode step
@@ -17,7 +17,8 @@
 //     byte-permutes pair two keys' centroids per register.  ValueCodes<BITS>::dim says which dims tile t holds;
 //     output dims are un-permuted on store.
 // Centroids come from byte -> fp16 tables in shared memory (CodeTable), one copy per lane (no bank conflicts); a
-// lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit planes).
+// lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit planes); codes
+// of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: four instructions per word).
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
@@ -39,31 +40,47 @@ static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query r
 
 __device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
+// Bit planes of a BITS-bit code (format/codec.py): the low plane is 2, 4 or 8 bits wide; 3-bit codes add a
+// 1-bit plane to a 2-bit one, 5 and 6-bit codes a 1 or 2-bit plane to a 4-bit one.
+template <int BITS>
+struct Planes {
+  static_assert(BITS >= 2 && BITS <= 8 && BITS != 7, "the format has 2, 3, 4, 5, 6 and 8-bit codes");
+  static constexpr int LOW = BITS == 3 ? 2 : (BITS == 5 || BITS == 6 ? 4 : BITS);
+  static constexpr int HIGH = BITS - LOW;  // 0: one plane
+};
+
 // Byte -> fp16 centroid table of a BITS-bit side, one column per lane: entry (byte, lane) is ENTRY_WORDS words at
-// word (byte * 32 + lane) * ENTRY_WORDS.  An entry holds the centroids of every code in the byte, in the order of
-// the planar packing (the low bits' code first):
+// word (byte * 32 + lane) * ENTRY_WORDS, for bytes below ROWS.  An entry holds the centroids of every code in the
+// byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
-//   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]).
+//   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
+//   3 bits: half2 (c[a], c[b]) of a byte that merge_planes built: a's low bits at 0-1 and high bit at 4, b's at 2-3
+//           and 6;
+//   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code.
 template <int BITS>
 struct CodeTable {
-  static_assert(BITS == 2 || BITS == 4 || BITS == 8, "the kernel reads 2, 4 or 8-bit codes");
   static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
-  static constexpr int WORDS = 256 * 32 * ENTRY_WORDS;
+  static constexpr int ROWS = BITS == 3 ? 0x60 : (BITS == 5 || BITS == 6 ? 1 << BITS : 256);
+  static constexpr int WORDS = ROWS * 32 * ENTRY_WORDS;
   static constexpr int SHIFT = BITS == 2 ? 8 : 7;  // log2 of an entry row's bytes (32 lanes x entry)
 
   // Fills the table from centroids (2^BITS) staged in shared memory as fp16; the whole CTA, no barrier at the end.
   // Every lane's column holds the same entry, so each store writes 16 bytes: four lanes' entries (two for 2 bits).
   __device__ static void build(uint32_t* table, const __half* cent) {
     constexpr int STORES_PER_BYTE = 32 * ENTRY_WORDS / 4;
-    for (int i = threadIdx.x; i < 256 * STORES_PER_BYTE; i += WARPS * 32) {
+    for (int i = threadIdx.x; i < ROWS * STORES_PER_BYTE; i += WARPS * 32) {
       const int byte = i / STORES_PER_BYTE;
       uint4 entries;
-      if constexpr (BITS == 8) {
+      if constexpr (BITS == 8 || BITS == 5 || BITS == 6) {
         const uint32_t e = half2_bits(__halves2half2(cent[byte], cent[byte]));
         entries = make_uint4(e, e, e, e);
       } else if constexpr (BITS == 4) {
         const uint32_t e = half2_bits(__halves2half2(cent[byte & 15], cent[byte >> 4]));
+        entries = make_uint4(e, e, e, e);
+      } else if constexpr (BITS == 3) {
+        const uint32_t e = half2_bits(__halves2half2(cent[(byte & 3) | ((byte >> 2) & 4)],
+                                                     cent[((byte >> 2) & 3) | ((byte >> 4) & 4)]));
         entries = make_uint4(e, e, e, e);
       } else {
         const uint32_t e0 = half2_bits(__halves2half2(cent[byte & 3], cent[(byte >> 2) & 3]));
@@ -95,21 +112,48 @@ struct CodeTable {
 __device__ __forceinline__ uint32_t low_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x5410); }
 __device__ __forceinline__ uint32_t high_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x7632); }
 
-// A row of D codes of BITS bits packed planar (format/codec.py): byte j of the row holds, at bit offset k BITS,
-// the code of dim j + k P, P = D BITS / 8 (the row's bytes).
+// Table bytes of a two-plane code from a word of its low plane and the word of its high plane that holds the same
+// dims' high bits, shifted down by the lane's high_shift: .x from the low nibble of each low byte (fields 0 and 1
+// of a 2-bit plane, field 0 of a 4-bit one), .y from the high nibble.  Field f of a low byte has its high bits at
+// bit 2f (2-bit low plane: 1-bit fields interleaved two to one) or 4f (4-bit low plane) of the shifted high byte,
+// so one mask places them next to the low bits: four instructions per word.
+template <int BITS>
+__device__ __forceinline__ uint2 merge_planes(uint32_t low, uint32_t high) {
+  constexpr uint32_t M = BITS == 3 ? 0x50505050u : (BITS == 5 ? 0x10101010u : 0x30303030u);
+  return make_uint2((low & 0x0F0F0F0Fu) | ((high << 4) & M), ((low >> 4) & 0x0F0F0F0Fu) | (high & M));
+}
+
+// Where a lane's high-plane bytes are: a lane reads BYTES contiguous bytes of the low plane from byte `first`
+// (dims first + i + k P0 of field k, P0 the low plane's bytes); the same dims' high bits sit in as many contiguous
+// bytes of the high plane (P1 bytes, P0 / P1 = 2 or 4 dividing the fields' spacing), from high_offset (in the row),
+// at bit high_shift (+ the field's spacing, which merge_planes knows).
+template <int BITS, int D>
+struct HighPlane {
+  using P = Planes<BITS>;
+  static constexpr int P0 = D * P::LOW / 8, P1 = P::HIGH ? D * P::HIGH / 8 : 1;
+  __device__ __forceinline__ static int offset(int first) { return P0 + first % P1; }
+  __device__ __forceinline__ static int shift(int first) { return P::HIGH * (first / P1); }
+};
+
+// A row of D codes of BITS bits packed planar (format/codec.py): byte j of a plane of width w holds, at bit offset
+// k w, the w bits of dim j + k P, P = D w / 8 (the plane's bytes).  A lane reads slices of the low plane (and the
+// same dims' slices of the high plane); the dims a fragment holds follow the low plane's width.
 //
-// Keys: lane (g, c) reads LANE_BYTES = D BITS / 32 contiguous bytes (from byte c LANE_BYTES) of each of its two
-// keys.  fragment(w, kk) gives the key's two A registers of k-step kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9);
-// dim(c, kk, reg, h) is the dim that half h of register reg holds.
+// Keys: lane (g, c) reads LANE_BYTES = D LOW / 32 contiguous bytes of the low plane (from byte c LANE_BYTES) of each
+// of its two keys, and as many bytes of the high plane.  fragment(w, kk) gives the key's two A registers of k-step
+// kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9); dim(c, kk, reg, h) is the dim that half h of register reg holds.
 template <int BITS, int D>
 struct KeyCodes {
+  using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
-  static constexpr int LANE_BYTES = ROW_BYTES / 4;
-  static constexpr int WORDS = LANE_BYTES / 4;
+  static constexpr int LANE_BYTES = D * P::LOW / 32;
+  static constexpr int LOW_WORDS = LANE_BYTES / 4;
+  static constexpr int WORDS = LOW_WORDS * (P::HIGH ? 2 : 1);  // low-plane words, then high-plane words
   using Table = CodeTable<BITS>;
+  using High = HighPlane<BITS, D>;
 
   __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset,
-                                                   const uint32_t (&w)[WORDS], int kk) {
+                                                   const uint32_t (&w)[WORDS], int kk, int high_shift) {
     if constexpr (BITS == 4) {  // byte 2kk + reg: dims j, j + D/2
       const uint32_t word = w[kk / 2];
       return make_uint2(Table::lookup(table, lane_offset, word, 2 * (kk % 2)),
@@ -120,29 +164,42 @@ struct KeyCodes {
 #pragma unroll
       for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
       return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
-    } else {  // byte kk: dims j + k D/4, k = 0..3; register reg takes k = 2 reg, 2 reg + 1
+    } else if constexpr (BITS == 2) {  // byte kk: dims j + k D/4, k = 0..3; register reg takes k = 2 reg, 2 reg + 1
       return Table::lookup2(table, lane_offset, w[kk / 4], kk % 4);
+    } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, the merged words holding k = 0, 1 and k = 2, 3
+      const uint2 m = merge_planes<BITS>(w[kk / 4], w[LOW_WORDS + kk / 4] >> high_shift);
+      return make_uint2(Table::lookup(table, lane_offset, m.x, kk % 4), Table::lookup(table, lane_offset, m.y, kk % 4));
+    } else {  // 5, 6 bits: as 4 bits, one lookup per dim
+      const uint2 m = merge_planes<BITS>(w[kk / 2], w[LOW_WORDS + kk / 2] >> high_shift);
+      const int i = 2 * (kk % 2);
+      return make_uint2(low_halves(Table::lookup(table, lane_offset, m.x, i), Table::lookup(table, lane_offset, m.y, i)),
+                        low_halves(Table::lookup(table, lane_offset, m.x, i + 1),
+                                   Table::lookup(table, lane_offset, m.y, i + 1)));
     }
   }
   __device__ __forceinline__ static int dim(int c, int kk, int reg, int h) {
-    if constexpr (BITS == 4) return c * LANE_BYTES + 2 * kk + reg + h * (D / 2);
-    else if constexpr (BITS == 8) return c * LANE_BYTES + 4 * kk + 2 * reg + h;
+    if constexpr (P::LOW == 4) return c * LANE_BYTES + 2 * kk + reg + h * (D / 2);
+    else if constexpr (P::LOW == 8) return c * LANE_BYTES + 4 * kk + 2 * reg + h;
     else return c * LANE_BYTES + kk + (2 * reg + h) * (D / 4);
   }
 };
 
-// Values: lane (g, c) reads LANE_BYTES = D BITS / 64 contiguous bytes (from byte g LANE_BYTES) of each of its four
-// keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3).  fragment(w, t) gives the A registers of dim tile t (rows g and g + 8,
-// keys 2c, 2c+1 then 2c+8, 2c+9); dim(g, t, h) is the dim of row g + 8h of tile t.
+// Values: lane (g, c) reads LANE_BYTES = D LOW / 64 contiguous bytes of the low plane (from byte g LANE_BYTES) of
+// each of its four keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3), and as many of the high plane.  fragment(w, t) gives the A
+// registers of dim tile t (rows g and g + 8, keys 2c, 2c+1 then 2c+8, 2c+9); dim(g, t, h) is the dim of row g + 8h
+// of tile t.
 template <int BITS, int D>
 struct ValueCodes {
+  using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
-  static constexpr int LANE_BYTES = ROW_BYTES / 8;
-  static constexpr int WORDS = LANE_BYTES >= 4 ? LANE_BYTES / 4 : 1;  // 2-bit codes at D = 64: 2 bytes
+  static constexpr int LANE_BYTES = D * P::LOW / 64;
+  static constexpr int LOW_WORDS = LANE_BYTES >= 4 ? LANE_BYTES / 4 : 1;  // 2 or 3-bit codes at D = 64: 2 bytes
+  static constexpr int WORDS = LOW_WORDS * (P::HIGH ? 2 : 1);
   using Table = CodeTable<BITS>;
+  using High = HighPlane<BITS, D>;
 
   __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
-                                                   const uint32_t (&w)[4][WORDS], int t) {
+                                                   const uint32_t (&w)[4][WORDS], int t, int high_shift) {
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
     if constexpr (BITS == 4) {  // byte t: dims j, j + D/2
 #pragma unroll
@@ -152,19 +209,31 @@ struct ValueCodes {
       for (int j = 0; j < 4; ++j)
         x[j] = low_halves(Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2)),
                           Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2) + 1));
-    } else {  // byte t / 2: dims j + k D/4; tile t takes k = 2 (t % 2), 2 (t % 2) + 1
+    } else if constexpr (BITS == 2) {  // byte t / 2: dims j + k D/4; tile t takes k = 2 (t % 2), 2 (t % 2) + 1
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint2 e = Table::lookup2(table, lane_offset, w[j][t / 8], (t / 2) % 4);
         x[j] = t % 2 ? e.y : e.x;
+      }
+    } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, from the merged word holding k = 2 (t % 2), +1
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 m = merge_planes<BITS>(w[j][t / 8], w[j][LOW_WORDS + t / 8] >> high_shift);
+        x[j] = Table::lookup(table, lane_offset, t % 2 ? m.y : m.x, (t / 2) % 4);
+      }
+    } else {  // 5, 6 bits: as 4 bits, one lookup per dim
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 m = merge_planes<BITS>(w[j][t / 4], w[j][LOW_WORDS + t / 4] >> high_shift);
+        x[j] = low_halves(Table::lookup(table, lane_offset, m.x, t % 4), Table::lookup(table, lane_offset, m.y, t % 4));
       }
     }
     return make_uint4(low_halves(x[0], x[1]), high_halves(x[0], x[1]), low_halves(x[2], x[3]),
                       high_halves(x[2], x[3]));
   }
   __device__ __forceinline__ static int dim(int g, int t, int h) {
-    if constexpr (BITS == 4) return g * LANE_BYTES + t + h * (D / 2);
-    else if constexpr (BITS == 8) return g * LANE_BYTES + 2 * t + h;
+    if constexpr (P::LOW == 4) return g * LANE_BYTES + t + h * (D / 2);
+    else if constexpr (P::LOW == 8) return g * LANE_BYTES + 2 * t + h;
     else return g * LANE_BYTES + t / 2 + (2 * (t % 2) + h) * (D / 4);
   }
 };
@@ -176,10 +245,14 @@ struct Shape {
   static constexpr int K_STEPS = D / 16;   // MMA k-steps of the score product
   static constexpr int DIM_TILES = D / 16; // 16-dim tiles of the output
   static constexpr bool Q_IN_SMEM = D >= 256;  // q fragments: registers would crowd out the accumulators
-  // Dynamic shared memory: the K table, then the V table unless both sides share one codebook.
+  // Dynamic shared memory: the K table, then the V table unless both sides share one codebook.  After the main
+  // loop the same space holds the warps' outputs, the merge's weights (MAX_ROWS x MAX_PARTS) or the exact part's
+  // scratch (less than either), so it is at least SCRATCH_WORDS.
   static constexpr bool SHARED_TABLE = KB == VB;
   static constexpr int TABLE_WORDS = CodeTable<KB>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB>::WORDS);
-  static_assert(WARPS * MAX_ROWS * D <= TABLE_WORDS, "the warps' outputs must fit in the tables' space");
+  static constexpr int SCRATCH_WORDS = WARPS * MAX_ROWS * D > MAX_ROWS * MAX_PARTS ? WARPS * MAX_ROWS * D
+                                                                                   : MAX_ROWS * MAX_PARTS;
+  static constexpr int DYNAMIC_WORDS = TABLE_WORDS > SCRATCH_WORDS ? TABLE_WORDS : SCRATCH_WORDS;
 };
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -209,23 +282,33 @@ __device__ __forceinline__ float load_q(const DecodeParams& p, long long offset)
   return load_float(p.q, p.q_dtype, offset);
 }
 
-// BYTES consecutive code bytes as 32-bit words, streamed (read once: evict first).
-template <int BYTES, int N>
-__device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t (&w)[N]) {
+// BYTES consecutive code bytes as 32-bit words w[0 .. max(BYTES / 4, 1)), streamed (read once: evict first).
+template <int BYTES>
+__device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t* w) {
   if constexpr (BYTES == 2) {
     w[0] = __ldcs(reinterpret_cast<const unsigned short*>(ptr));
-  } else if constexpr (N == 1) {
+  } else if constexpr (BYTES == 4) {
     w[0] = __ldcs(reinterpret_cast<const unsigned int*>(ptr));
-  } else if constexpr (N == 2) {
+  } else if constexpr (BYTES == 8) {
     const uint2 x = __ldcs(reinterpret_cast<const uint2*>(ptr));
     w[0] = x.x, w[1] = x.y;
   } else {
+    static_assert(BYTES % 16 == 0, "a lane's slice is 2, 4, 8 or a multiple of 16 bytes");
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
+    for (int i = 0; i < BYTES / 16; ++i) {
       const uint4 x = __ldcs(reinterpret_cast<const uint4*>(ptr) + i);
       w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
     }
   }
+}
+
+// One key's slice for this lane (C: KeyCodes or ValueCodes): the low plane's LANE_BYTES at `low`, then for two-plane
+// codes the high plane's at low + high_delta (raw: the lane's shift is applied where the words are used, so that
+// nothing waits on the load here).
+template <class C>
+__device__ __forceinline__ void load_slice(const uint8_t* low, int high_delta, uint32_t (&w)[C::WORDS]) {
+  load_words<C::LANE_BYTES>(low, w);
+  if constexpr (C::P::HIGH > 0) load_words<C::LANE_BYTES>(low + high_delta, w + C::LOW_WORDS);
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = 0, no range fix-ups
@@ -246,10 +329,11 @@ struct TileData {
 // This lane's addresses at slot 0 of its (sequence, KV head): every load of a tile is one of these plus the
 // tile's offset plus an immediate.
 struct LanePointers {
-  const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES
-  const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES
+  const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES of the low plane
+  const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES of the low plane
   const uint8_t* ks;  // K scale of key g (float32, or bfloat16 with bf16)
   const uint8_t* vs;  // V scale of key g
+  int k_high, v_high;  // two-plane codes: the high plane's slice, in bytes after the low plane's
   bool bf16;
 };
 
@@ -266,12 +350,12 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
   const uint8_t* v = lp.v + (size_t)tile * VR;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    load_words<S::K::LANE_BYTES>(k + 8 * n * KR, t.kw[n]);
+    load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
     t.k_scale[n] = load_scale(lp.ks, tile + 8 * n, lp.bf16);
     t.v_scale[n] = load_scale(lp.vs, tile + 8 * n, lp.bf16);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) load_words<S::V::LANE_BYTES>(v + ((j & 1) + 8 * (j >> 1)) * VR, t.vw[j]);
+  for (int j = 0; j < 4; ++j) load_slice<typename S::V>(v + ((j & 1) + 8 * (j >> 1)) * VR, lp.v_high, t.vw[j]);
 }
 
 // The last tile of a full cache: slots past the capacity read the last slot (the softmax masks them).
@@ -281,14 +365,14 @@ __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int ti
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int slot = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
-    load_words<S::K::LANE_BYTES>(lp.k + (size_t)slot * S::K::ROW_BYTES, t.kw[n]);
+    load_slice<typename S::K>(lp.k + (size_t)slot * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
     t.k_scale[n] = load_scale(lp.ks, slot, lp.bf16);
     t.v_scale[n] = load_scale(lp.vs, slot, lp.bf16);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int slot = min(tile + 2 * c + (j & 1) + 8 * (j >> 1), capacity - 1) - 2 * c;
-    load_words<S::V::LANE_BYTES>(lp.v + (size_t)slot * S::V::ROW_BYTES, t.vw[j]);
+    load_slice<typename S::V>(lp.v + (size_t)slot * S::V::ROW_BYTES, lp.v_high, t.vw[j]);
   }
 }
 
@@ -479,16 +563,16 @@ constexpr int ctas_per_sm() {
   // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, centroids, statistics; an upper
   // bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
   constexpr int static_bytes = 4 * MAX_ROWS * D + (D >= 256 ? D / 16 * 256 : 0) + 2048;
-  constexpr int by_smem = 228 * 1024 / (Shape<D, KB, VB>::TABLE_WORDS * 4 + static_bytes + 1024);
+  constexpr int by_smem = 228 * 1024 / (Shape<D, KB, VB>::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255.  4-bit and 2-bit codes fit
   // 128 without spilling at D <= 128, other pairs need 3 CTAs' worth, D = 256 needs 2.
   constexpr int by_regs = D >= 256 ? 2 : (KB == VB && KB <= 4 ? 4 : 3);
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
-// Dynamic shared memory of decode<D, KB, VB>: the code tables (later reused to combine the warps).
+// Dynamic shared memory of decode<D, KB, VB>: the code tables (later reused to combine the warps and merge).
 template <int D, int KB, int VB>
-constexpr int table_bytes() { return Shape<D, KB, VB>::TABLE_WORDS * 4; }
+constexpr int dynamic_bytes() { return Shape<D, KB, VB>::DYNAMIC_WORDS * 4; }
 
 // The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
 // address is still a constant, so table addresses stay immediates.
@@ -773,10 +857,16 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
 
   const size_t row0 = (size_t)bh * p.capacity;
   const int scale_bytes = p.scale_bf16 ? 2 : 4;
-  const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + c * S::K::LANE_BYTES,
-                        p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + g * S::V::LANE_BYTES,
+  // Two-plane codes: where this lane's high-plane slices start (relative to its low-plane ones) and the bit at
+  // which their fields' high bits start.
+  const int k_first = c * S::K::LANE_BYTES, v_first = g * S::V::LANE_BYTES;
+  const int k_shift = S::K::High::shift(k_first), v_shift = S::V::High::shift(v_first);
+  const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + k_first,
+                        p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + v_first,
                         static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * scale_bytes,
-                        static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * scale_bytes, p.scale_bf16 != 0};
+                        static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * scale_bytes,
+                        S::K::High::offset(k_first) - k_first, S::V::High::offset(v_first) - v_first,
+                        p.scale_bf16 != 0};
   auto load = [&](int tile, TileData<S>& t) {
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
     else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
@@ -866,8 +956,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) {
-      const uint2 a0 = S::K::fragment(k_table, k_lane, cur.kw[0], kk);  // key g
-      const uint2 a1 = S::K::fragment(k_table, k_lane, cur.kw[1], kk);  // key g + 8
+      const uint2 a0 = S::K::fragment(k_table, k_lane, cur.kw[0], kk, k_shift);  // key g
+      const uint2 a1 = S::K::fragment(k_table, k_lane, cur.kw[1], kk, k_shift);  // key g + 8
       const uint2 qf = S::Q_IN_SMEM ? q_frag[kk * 32 + lane] : qb[S::Q_IN_SMEM ? 0 : kk];
       mma_16816(kk % 2 ? s_odd : s, a0.x, a1.x, a0.y, a1.y, qf.x, qf.y);
     }
@@ -929,7 +1019,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     // O^T += V^T P^T: dim tile t holds dims ValueCodes::dim(g', t, 0) (rows g') and dim(g', t, 1) (rows g' + 8).
 #pragma unroll
     for (int t = 0; t < S::DIM_TILES; ++t) {
-      const uint4 a = S::V::fragment(v_table, v_lane, cur.vw, t);
+      const uint4 a = S::V::fragment(v_table, v_lane, cur.vw, t, v_shift);
       mma_16816(acc[t], a.x, a.y, a.z, a.w, pb0, pb1);
     }
   };
@@ -990,54 +1080,40 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
 }
 
-// Launches decode<D, KB, VB, EXACT>.  Past 48 KB of dynamic shared memory a kernel needs an allowance, set once per
-// device (function attributes belong to a device's context; the binding made q's device current).
+// Launches decode<D, KB, VB, EXACT>.  Past 48 KB of shared memory, static and dynamic together, a kernel needs an
+// allowance for its dynamic part; every kernel gets it, once per device (function attributes belong to a device's
+// context; the binding made q's device current).
 template <int D, int KB, int VB, bool EXACT>
 int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  constexpr int smem = table_bytes<D, KB, VB>();
-  if constexpr (smem > 48 * 1024) {
-    static bool allowed[64] = {};
-    int device = 0;
-    cudaGetDevice(&device);
-    if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
-    if (!allowed[device]) {
-      const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return static_cast<int>(err);
-      allowed[device] = true;
-    }
+  constexpr int smem = dynamic_bytes<D, KB, VB>();
+  static bool allowed[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
+  if (!allowed[device]) {
+    const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    allowed[device] = true;
   }
   // One CTA per split, plus the exact part's (params.num_parts counts both).
   decode<D, KB, VB, EXACT><<<dim3(params.num_parts, batch_kv_heads), WARPS * 32, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
-// decode<D, KB, VB, EXACT> for run-time bit widths (2, 4 or 8 each): -1 for others.
-template <int D, bool EXACT, int KB>
-int launch_for_v(const DecodeParams& params, int v_bits, int batch_kv_heads, cudaStream_t stream) {
-  switch (v_bits) {
-    case 2: return launch<D, KB, 2, EXACT>(params, batch_kv_heads, stream);
-    case 4: return launch<D, KB, 4, EXACT>(params, batch_kv_heads, stream);
-    case 8: return launch<D, KB, 8, EXACT>(params, batch_kv_heads, stream);
-    default: return -1;
-  }
-}
-
+// decode<D, KB, VB, EXACT> for the run-time bit pair, among TURBOATTN_BIT_PAIRS (decode.h): -1 for others.
 template <int D, bool EXACT>
 int launch_decode_for(const DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads, cudaStream_t stream) {
-  switch (k_bits) {
-    case 2: return launch_for_v<D, EXACT, 2>(params, v_bits, batch_kv_heads, stream);
-    case 4: return launch_for_v<D, EXACT, 4>(params, v_bits, batch_kv_heads, stream);
-    case 8: return launch_for_v<D, EXACT, 8>(params, v_bits, batch_kv_heads, stream);
-    default: return -1;
-  }
+#define TURBOATTN_LAUNCH(KB, VB) \
+  if (k_bits == KB && v_bits == VB) return launch<D, KB, VB, EXACT>(params, batch_kv_heads, stream);
+  TURBOATTN_BIT_PAIRS(TURBOATTN_LAUNCH)
+#undef TURBOATTN_LAUNCH
+  return -1;
 }
 
 template <int D>
 int ctas_per_sm_for(int k_bits, int v_bits) {
 #define TURBOATTN_CTAS(KB, VB) if (k_bits == KB && v_bits == VB) return ctas_per_sm<D, KB, VB>();
-  TURBOATTN_CTAS(2, 2) TURBOATTN_CTAS(2, 4) TURBOATTN_CTAS(2, 8)
-  TURBOATTN_CTAS(4, 2) TURBOATTN_CTAS(4, 4) TURBOATTN_CTAS(4, 8)
-  TURBOATTN_CTAS(8, 2) TURBOATTN_CTAS(8, 4) TURBOATTN_CTAS(8, 8)
+  TURBOATTN_BIT_PAIRS(TURBOATTN_CTAS)
 #undef TURBOATTN_CTAS
   return -1;
 }

@@ -4,6 +4,9 @@
 
 namespace turboattn {
 
+// Cache parts per (sequence, KV head) at most: the merge's scratch (ops/cached/config.py: CUDA_MAX_PARTS).
+constexpr int MAX_PARTS = 1024;
+
 struct DecodeParams {
   const void* q;
   long long q_stride_b, q_stride_h, q_stride_t;
@@ -49,10 +52,16 @@ struct DecodeParams {
 
 }  // namespace turboattn
 
-// Launch decode<D, k_bits, v_bits, exact> (D = 64, 128, 256 by the function's name; bits 2, 4 or 8 each; the
-// _exact functions for caches with exact rows) on `stream` (a cudaStream_t), params.num_parts x batch_kv_heads
-// CTAs: the CUDA error code (0: none), or -1 for a bit width the kernel does not have.  Each in its own translation
-// unit (decode_d*.cu) so that nvcc builds them in parallel.
+// The (K bits, V bits) pairs the kernel is built for: every preset of the format (2, 3, 4, 5, 6 or 8 bits; see
+// format/codec.py); ops/cached/config.py lists the same pairs as CUDA_BIT_PAIRS (a GPU test compares them).  Other
+// pairs go to the Triton kernel.
+#define TURBOATTN_BIT_PAIRS(X) \
+  X(2, 2) X(2, 4) X(2, 8) X(3, 3) X(4, 2) X(4, 3) X(4, 4) X(4, 8) X(5, 3) X(5, 4) X(5, 5) X(6, 6) X(8, 2) X(8, 4) X(8, 8)
+
+// Launch decode<D, k_bits, v_bits, exact> (D = 64, 128, 256 by the function's name; the _exact functions for caches
+// with exact rows) on `stream` (a cudaStream_t), params.num_parts x batch_kv_heads CTAs: the CUDA error code
+// (0: none), or -1 for a bit pair the kernel is not built for.  Each in its own translation unit (decode_d*.cu) so
+// that nvcc builds them in parallel.
 int launch_decode_d64(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                       void* stream);
 int launch_decode_d128(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,

@@ -1,5 +1,5 @@
-// decode<128, k_bits, v_bits, true> for every bit pair: caches with exact rows (an exact recent window, exact
-// first tokens), whose kernels add the exact part's CTA.
+// decode<128, k_bits, v_bits, true> for each pair of TURBOATTN_BIT_PAIRS: caches with exact rows (an
+// exact recent window, exact first tokens), whose kernels add the exact part's CTA.
 #include "decode.cuh"
 
 int launch_decode_d128_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,

@@ -1,5 +1,5 @@
-// decode<256, k_bits, v_bits, false> for every bit pair (caches without exact rows): one translation unit per head
-// dim and variant, built in parallel.
+// decode<256, k_bits, v_bits, false> for each pair of TURBOATTN_BIT_PAIRS (caches without exact rows): one
+// translation unit per head dim and variant, built in parallel.
 #include "decode.cuh"
 
 int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
