@@ -1,12 +1,13 @@
-"""The CUDA decode kernel's split rule (ops/cached/config.cuda_num_splits): the properties its docstring states,
+"""The CUDA decode kernel's split rules (ops/cached/config.cuda_num_splits, cuda_exact_splits): the properties their
+docstrings state,
 over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
 BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboattn.ops.cached.config import (CUDA_MAX_SPLITS, CUDA_MIN_KEYS_PER_SPLIT, CUDA_SHORT_SPLIT,
-                                         cuda_num_splits)
+from turboattn.ops.cached.config import (CUDA_EXACT_TAIL_KEYS, CUDA_MAX_SPLITS, CUDA_MIN_KEYS_PER_SPLIT,
+                                         CUDA_SHORT_SPLIT, cuda_exact_splits, cuda_num_splits)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -48,3 +49,27 @@ def test_split_rule_at_the_measured_shapes():
     assert cuda_num_splits(528, 64, 128, 1024) == 4       # short context: 256-key splits
     assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
     assert cuda_num_splits(264, 64, 256, 8192) == 4
+
+
+@settings(max_examples=500, deadline=None)
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS)
+def test_exact_rows_take_the_free_slot_or_a_worthwhile_tail(resident, bkv, d, tokens):
+    """With exact rows the plan is the plain one (the exact CTAs then run as a tail) only where leaving a slot per
+    (sequence, KV head) would shorten each split's share by CUDA_EXACT_TAIL_KEYS or more; otherwise the splits
+    leave that slot free."""
+    plain = cuda_num_splits(resident, bkv, d, tokens)
+    fewer = cuda_num_splits(max(resident - bkv, bkv), bkv, d, tokens)
+    splits = cuda_exact_splits(plain, resident, bkv, d, tokens)
+    assert splits in (plain, fewer) and fewer <= plain
+    if splits == plain and plain != fewer:
+        assert tokens / fewer - tokens / plain >= CUDA_EXACT_TAIL_KEYS
+    if splits == fewer and plain != fewer:
+        assert tokens / fewer - tokens / plain < CUDA_EXACT_TAIL_KEYS
+
+
+def test_exact_split_rule_at_the_measured_shapes():
+    # H100, the shapes timed both ways in BENCHMARKS.md (exact first 4 + recent window, bf16 scales).
+    assert cuda_exact_splits(6, 396, 64, 128, 32768) == 6     # k4v3 B=8 D=128: 152 us against 175 with 5
+    assert cuda_exact_splits(4, 264, 64, 256, 8192) == 4      # k5v3 B=8 D=256: 118 against 130 with 3
+    assert cuda_exact_splits(16, 396, 24, 64, 16384) == 15    # k4v3 B=8 D=64: 31 against 38 with 16
+    assert cuda_exact_splits(33, 528, 8, 128, 32768) == 32    # k4v4 B=1: 39.7 against 41.8 with 33

@@ -51,6 +51,7 @@ CUDA_MAX_PARTS = 1024
 CUDA_MIN_KEYS_PER_SPLIT = 256
 CUDA_MAX_SPLITS = 64
 CUDA_SHORT_SPLIT = 1024
+CUDA_EXACT_TAIL_KEYS = 512
 
 
 def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
@@ -67,6 +68,17 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
     if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
         splits = max(1, min(splits, resident // 2 // batch_kv_heads))
     return splits
+
+
+def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
+    """Splits for a cache with exact rows, given the plain plan's: the kernel launches one exact CTA per (sequence,
+    KV head) after the splits' CTAs.  Leaving a slot per (sequence, KV head) free keeps them in the splits' wave;
+    taking the slots for splits makes them a tail (a few µs: the exact CTA reads its rows and rotates its output).
+    The slot costs each split max_tokens / fewer - max_tokens / splits keys: worth the tail from
+    CUDA_EXACT_TAIL_KEYS on (H100, BENCHMARKS.md: B=8 D=128 L=32K 6 splits against 5 gained 13%, D=256 L=8K 4
+    against 3 9%; B=8 D=64 L=16K 16 against 15 lost 22%, B=1 D=128 33 against 32 lost 5%)."""
+    fewer = cuda_num_splits(max(resident - batch_kv_heads, batch_kv_heads), batch_kv_heads, head_dim, max_tokens)
+    return splits if max_tokens / fewer - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else fewer
 
 
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
@@ -142,16 +154,16 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
     """The plan for query_rows = Tq x GQA group rows per KV head over up to max_tokens cached keys.
 
     kernel: the implementation that will run it ("cuda" plans the CUDA kernel's splits where it serves).
-    exact_rows: the cache has exact rows; the CUDA kernel then adds one CTA per (sequence, KV head), which the
-    splits leave room for (one wave).
+    exact_rows: the cache has exact rows; the CUDA kernel then adds one CTA per (sequence, KV head), launched
+    after the splits (cuda_exact_splits).
     """
     block_m = 16 if query_rows <= 16 else 64
     block_n, num_warps, num_stages = _tile(head_dim)
     if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
         resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
-        if exact_rows:
-            resident = max(resident - batch_kv_heads, batch_kv_heads)
         num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
+        if exact_rows:
+            num_splits = cuda_exact_splits(num_splits, resident, batch_kv_heads, head_dim, max_tokens)
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)
         num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,

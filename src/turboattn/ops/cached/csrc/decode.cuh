@@ -415,12 +415,24 @@ __device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
 // keeps BATCH parts' loads in flight, the first batch issued before the weights are computed (the loads do not
 // depend on them).  With fewer outputs than threads, `groups` threads share an output's parts (group k takes
 // parts k, k + groups, ...) and their partial sums are added in a fixed order.
+// This CTA's part and (sequence x KV head) in the one-dimensional grid: the splits' CTAs first (split fastest), then
+// one exact part per (sequence, KV head) in the kernels built for exact rows.  Launched last, the short exact CTAs
+// take what the splits' wave leaves free, or run as a short tail, instead of taking slots from the splits.
+struct CtaIndex {
+  int part, bh;
+};
+__device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
+  const int block = blockIdx.x, split_blocks = p.num_splits * (gridDim.x / p.num_parts);
+  if (block < split_blocks) return {block % p.num_splits, block / p.num_splits};
+  return {p.num_splits, block - split_blocks};
+}
+
 template <int D>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator,
                                             float* fresh_p, const float* signs) {
   // Indices are recomputed here, so that the main loop need not keep them alive.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bh = blockIdx.y, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int bh = cta_index(p).bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const int num_parts = p.num_parts;
   const size_t first = (size_t)bh * num_parts * rows;  // part q of row r: first + q * rows + r
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
@@ -579,15 +591,15 @@ constexpr int dynamic_bytes() { return Shape<D, KB, VB>::DYNAMIC_WORDS * 4; }
 extern __shared__ __align__(16) uint32_t code_tables[];
 
 // Count this CTA's part in (after making it visible); the last CTA of the (sequence, KV head) to arrive merges
-// every part (the grid's x dimension counts the parts).  is_last: a shared flag.
+// every part (p.num_parts of them).  is_last: a shared flag.
 template <int D>
 __device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_rot, float* warp_ml, float* fresh_p,
                                                const float* signs, int& is_last) {
-  const int bh = blockIdx.y;
+  const int bh = cta_index(p).bh;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    is_last = atomicAdd(p.counters + bh, 1) == static_cast<int>(gridDim.x) - 1;
+    is_last = atomicAdd(p.counters + bh, 1) == p.num_parts - 1;
     if (is_last) p.counters[bh] = 0;  // ready for the next call (and the next replay of a captured graph)
   }
   __syncthreads();
@@ -596,7 +608,7 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_r
   merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p, signs);
 }
 
-// The exact part (the CTA with blockIdx.x == num_splits, in the kernels built for caches with exact rows): the
+// The exact part (the CTA of part num_splits, in the kernels built for caches with exact rows): the
 // exact first tokens and the exact recent window, attended in full precision in the model's domain (scores
 // q . (k - key_shift), as the fresh tokens'), EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
 // beside the splits and must not outlast them), with no cross-lane reductions: a thread per exact row computes
@@ -642,7 +654,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
   constexpr int PAIRS = D / 2, GROUPS = THREADS / PAIRS > 0 ? THREADS / PAIRS : 1;  // P V: row groups
   static_assert(PAIRS <= THREADS, "P V gives each thread one pair of dims");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bh = blockIdx.y, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int bh = cta_index(p).bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const int seen = p.seen[b], start = p.starts[b];
   const int qpos_base = p.has_fresh ? seen : seen - p.tq;
   const int S = p.exact_first, R = p.exact_recent, total = S + R;
@@ -824,7 +836,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int split = blockIdx.x, bh = blockIdx.y;
+  const CtaIndex cta = cta_index(p);
+  const int split = cta.part, bh = cta.bh;
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
   const int rows = p.tq * p.group;
 
@@ -1095,8 +1108,8 @@ int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) 
     if (err != cudaSuccess) return static_cast<int>(err);
     allowed[device] = true;
   }
-  // One CTA per split, plus the exact part's (params.num_parts counts both).
-  decode<D, KB, VB, EXACT><<<dim3(params.num_parts, batch_kv_heads), WARPS * 32, smem, stream>>>(params);
+  // One CTA per split, plus the exact part's (params.num_parts counts both), in one dimension (cta_index).
+  decode<D, KB, VB, EXACT><<<params.num_parts * batch_kv_heads, WARPS * 32, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
