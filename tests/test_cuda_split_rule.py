@@ -53,18 +53,17 @@ def test_split_rule_at_the_measured_shapes():
 
 @settings(max_examples=500, deadline=None)
 @given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS)
-def test_exact_rows_take_the_free_slot_or_a_worthwhile_tail(resident, bkv, d, tokens):
-    """With exact rows the plan is the plain one (the exact CTAs then run as a tail) only where leaving a slot per
-    (sequence, KV head) would shorten each split's share by CUDA_EXACT_TAIL_KEYS or more; otherwise the splits
-    leave that slot free."""
+def test_exact_rows_share_the_wave_or_take_a_worthwhile_tail(resident, bkv, d, tokens):
+    """With exact rows the splits either leave one slot per (sequence, KV head) for the exact CTAs (one wave with
+    them), or are the plain plan's where that shortens each split by CUDA_EXACT_TAIL_KEYS or more."""
     plain = cuda_num_splits(resident, bkv, d, tokens)
-    fewer = cuda_num_splits(max(resident - bkv, bkv), bkv, d, tokens)
     splits = cuda_exact_splits(plain, resident, bkv, d, tokens)
-    assert splits in (plain, fewer) and fewer <= plain
-    if splits == plain and plain != fewer:
-        assert tokens / fewer - tokens / plain >= CUDA_EXACT_TAIL_KEYS
-    if splits == fewer and plain != fewer:
-        assert tokens / fewer - tokens / plain < CUDA_EXACT_TAIL_KEYS
+    fits = splits == 1 or (splits + 1) * bkv <= resident
+    if splits != plain:
+        assert fits
+    elif not fits:
+        in_wave = cuda_num_splits(max(resident - bkv, bkv), bkv, d, tokens)
+        assert tokens / in_wave - tokens / plain >= CUDA_EXACT_TAIL_KEYS
 
 
 def test_exact_split_rule_at_the_measured_shapes():

@@ -72,13 +72,13 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
 
 def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
     """Splits for a cache with exact rows, given the plain plan's: the kernel launches one exact CTA per (sequence,
-    KV head) after the splits' CTAs.  Leaving a slot per (sequence, KV head) free keeps them in the splits' wave;
-    taking the slots for splits makes them a tail (a few µs: the exact CTA reads its rows and rotates its output).
-    The slot costs each split max_tokens / fewer - max_tokens / splits keys: worth the tail from
-    CUDA_EXACT_TAIL_KEYS on (H100, BENCHMARKS.md: B=8 D=128 L=32K 6 splits against 5 gained 13%, D=256 L=8K 4
-    against 3 9%; B=8 D=64 L=16K 16 against 15 lost 22%, B=1 D=128 33 against 32 lost 5%)."""
-    fewer = cuda_num_splits(max(resident - batch_kv_heads, batch_kv_heads), batch_kv_heads, head_dim, max_tokens)
-    return splits if max_tokens / fewer - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else fewer
+    KV head) after the splits' CTAs.  The plan for the residency less one slot per (sequence, KV head) keeps them in
+    the splits' wave; the plain plan takes those slots for splits and makes them a tail (a few µs: the exact CTA
+    reads its rows and rotates its output).  The tail is taken where it shortens each split by CUDA_EXACT_TAIL_KEYS
+    or more (H100, BENCHMARKS.md: B=8 D=128 L=32K 6 splits against 5 gained 13%, D=256 L=8K 4 against 3 9%;
+    B=8 D=64 L=16K 16 against 15 lost 22%, B=1 D=128 33 against 32 lost 5%)."""
+    in_wave = cuda_num_splits(max(resident - batch_kv_heads, batch_kv_heads), batch_kv_heads, head_dim, max_tokens)
+    return splits if max_tokens / in_wave - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else in_wave
 
 
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
