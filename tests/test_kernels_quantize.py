@@ -10,7 +10,8 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import turboattn as ta
-from turboattn.format import codebook, rotation
+
+from quantize_checks import assert_same as _assert_same
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
@@ -23,37 +24,6 @@ STATE = ("k_codes", "v_codes", "k_scales", "v_scales")
 
 def _pair(codec, b, hkv, **kw):
     return (ta.QuantizedKVCache(codec, b, hkv, **kw), ta.QuantizedKVCache(codec, b, hkv, **kw))
-
-
-def _near_boundary(codec, x, kind, rel=1e-5):
-    """Coordinates whose u = y / rms lies within float rounding of a cell boundary ([..., D] bool)."""
-    y = rotation.rotate(x.double())
-    yb = y.reshape(*y.shape[:-1], codec.num_blocks, codec.block_size)
-    u = yb / yb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-300)
-    bounds = codebook.boundaries(codec.bits(kind), torch.float64)
-    gap = (u[..., None] - bounds).abs().amin(-1)
-    return (gap <= rel * (1 + u.abs())).reshape(x.shape)
-
-
-def _assert_same(fused, ref, inputs):
-    """Fused and reference caches agree; `inputs` lists every (k, v) appended so far."""
-    assert torch.equal(fused.seen, ref.seen)
-    for i, kind in enumerate(("k", "v")):
-        idx = [fused.codec.unpack(ta.Packed(getattr(c, f"{kind}_codes"), getattr(c, f"{kind}_scales")), kind)
-               for c in (fused, ref)]
-        n_diff = int((idx[0] != idx[1]).sum())
-        # Only cells decided by float rounding may differ: no more than the near-boundary coordinates.
-        near = sum(int(_near_boundary(ref.codec, kv[i], kind).sum()) for kv in inputs)
-        assert n_diff <= near
-        # Scales are float32 sums of the same squares in another order where the block's
-        # codes agree; a flipped code moves the corrected/lsq scale by at most
-        # |c_a^2 - c_b^2| / (2 |c|^2) < 5% for any table and block of >= 64 coordinates.
-        s_got, s_want = getattr(fused, f"{kind}_scales"), getattr(ref, f"{kind}_scales")
-        codec = ref.codec
-        flipped = (idx[0] != idx[1]).reshape(*idx[0].shape[:-1], codec.num_blocks, codec.block_size).any(-1)
-        rel = (s_got - s_want).abs() / s_want.abs().clamp_min(1e-30)
-        assert float(rel.masked_fill(flipped, 0.0).max()) < 1e-5
-        assert float(rel.max()) < 0.05
 
 
 @settings(max_examples=10, phases=NO_SHRINK)

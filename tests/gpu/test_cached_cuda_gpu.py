@@ -13,6 +13,7 @@ import turboattn as ta
 from turboattn.format.key_transform import fit_key_transform
 from turboattn.ops import backend
 from turboattn.ops.cached import cuda
+from turboattn.ops.cuda_extension import extension
 from turboattn.format.codec import SUPPORTED_BITS
 from turboattn.ops.cached.config import CUDA_BIT_PAIRS, CUDA_HEAD_DIMS, cuda_ctas_per_sm
 from turboattn.ops.cached.naive import cached_attention_naive
@@ -40,7 +41,7 @@ CASES = [
 
 
 def test_the_extension_builds():
-    assert cuda._extension() is not None
+    assert extension() is not None
     assert backend.choose("cached_attention", "auto", torch.device("cuda")) == "cuda"
 
 
@@ -98,7 +99,7 @@ def test_cuda_decode_cache_options(d, bits, scale_dtype, options, i):
 def test_planned_residency_matches_the_launch_bound():
     """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound),
     and config.CUDA_BIT_PAIRS the pairs csrc/decode.h builds (ctas_per_sm is -1 for the others)."""
-    ext = cuda._extension()
+    ext = extension()
     for d in CUDA_HEAD_DIMS:
         for kb in SUPPORTED_BITS:
             for vb in SUPPORTED_BITS:

@@ -531,11 +531,8 @@ class QuantizedKVCache:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
         impl = choose("quantize_append", backend, k.device, self.codec.head_dim)
+        # A static cache that runs out of room: the kernels write only the tokens that fit (slot < capacity).
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
-        if self.is_static and not self.is_ring:
-            # The slots left, computed on the device: the kernels write only the tokens that fit.
-            room = (self.capacity - self.seen).clamp(min=0, max=t)
-            n_dev = room if n_dev is None else torch.minimum(n_dev, room)
         run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
             self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
             self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)

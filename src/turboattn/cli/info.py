@@ -69,14 +69,14 @@ def print_info() -> None:
 
 
 def build_kernels() -> int:
-    """`turboattn info --build-kernels`: build the CUDA decode kernel ahead of the first decode step."""
+    """`turboattn info --build-kernels`: build the CUDA kernels (decode, quantize-append) ahead of the first step."""
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to build (the CPU path runs plain PyTorch)")
         return 0
-    from ..ops.cached.cuda import build_extension
+    from ..ops.cuda_extension import build_extension
     t0 = time.time()
     built = build_extension()
     what = "ready" if built else "not built (the Triton kernels serve every call instead)"
-    print(f"CUDA decode kernel: {what}, {time.time() - t0:.0f} s; torch keeps the build under $TORCH_EXTENSIONS_DIR "
+    print(f"CUDA kernels: {what}, {time.time() - t0:.0f} s; torch keeps the build under $TORCH_EXTENSIONS_DIR "
           "(default ~/.cache/torch_extensions)")
     return 0

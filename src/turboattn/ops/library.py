@@ -55,7 +55,8 @@ def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_
                     seen: Tensor, starts: Tensor, new_lengths: Tensor | None, key_shift: Tensor | None,
                     key_gain: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
                     scale_rule: str, nonfinite: Tensor, impl: str) -> None:
-    """Code k, v [B, Hkv, T, D] into the slots after seen[b] (seen itself is the caller's to advance);
+    """Code k, v [B, Hkv, T, D] into the slots after seen[b] (seen itself is the caller's to advance; a contiguous
+    cache stores the tokens that fit in its capacity, a ring the last ones);
     nonfinite [B] int32 counts the vectors stored with a NaN or infinity."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      nonfinite=nonfinite)

@@ -1,44 +1,98 @@
-"""`turboattn bench quantize`: fused quantize-and-append of a prefill, vs copy bandwidth."""
+"""`turboattn bench quantize`: fused quantize-and-append, a prefill vs copy bandwidth and a decode step's append.
+
+Prefill rows time one `cache.append(k, v)` of a whole prompt (bf16 in; bytes = K and V read + codes and scales
+written).  Decode rows time an append of a few tokens per sequence as a decode step does it: "graph" is GPU time
+(CUDA-graph replays of 10 appends, launch overhead excluded), "eager" the wall time per call of back-to-back eager
+appends (host time where that is the larger).  Each row runs on every implementation of `--backends`.  The caches
+are static, so the lengths can be reset on the device between calls (a reset of the whole cache would be timed too).
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from ... import KVCodec, QuantizedKVCache
+from ..args import choices
 from .args import add_out
-from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, time_us, write_results
+from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, time_us, time_us_graph, write_results
 
-CASES = [(1, 8, 128, 32768, (4, 4)), (1, 8, 128, 32768, (8, 8)), (1, 8, 128, 32768, (5, 3)),
-         (1, 8, 256, 16384, (4, 4)), (1, 2, 512, 32768, (4, 4))]
+# B, Hkv, D, tokens, (k_bits, v_bits)
+PREFILL_CASES = [(1, 8, 128, 32768, (4, 4)), (1, 8, 128, 32768, (8, 8)), (1, 8, 128, 32768, (5, 3)),
+                 (1, 8, 128, 32768, (4, 3)), (1, 8, 256, 16384, (4, 4)), (1, 2, 512, 32768, (4, 4)),
+                 (1, 3, 64, 32768, (4, 4))]
+DECODE_CASES = [(1, 8, 128, 1, (4, 4)), (8, 8, 128, 1, (4, 4)), (8, 8, 128, 16, (4, 4)), (32, 8, 128, 1, (4, 4)),
+                (8, 3, 64, 1, (4, 3)), (8, 8, 256, 1, (5, 3))]
+BACKENDS = ("auto", "triton")   # auto: the CUDA kernel where it serves (head_dim 64 / 128 / 256 / 512)
+DECODE_CAPACITY = 4096
 
 
 def add_arguments(parser) -> None:
     add_out(parser)
-    parser.add_argument("--quick", action="store_true", help="the first two cases only")
+    parser.add_argument("--quick", action="store_true", help="the first two cases of each kind only")
+    parser.add_argument("--backends", type=choices(*BACKENDS), default=",".join(BACKENDS),
+                        help="paths to time (auto: the CUDA kernel on these shapes)")
+
+
+def _inputs(b, hkv, d, t, device):
+    k = torch.randn(b, hkv, t, d, device=device, dtype=torch.bfloat16)
+    return k, torch.randn_like(k)
+
+
+def _prefill_row(case, backend, device, copy_tbs) -> dict:
+    b, hkv, d, t, bits = case
+    codec = KVCodec(d, *bits)
+    cache = QuantizedKVCache(codec, b, hkv, capacity=t, device=device, static=True)
+    k, v = _inputs(b, hkv, d, t, device)
+
+    def step():
+        cache.seen.zero_()
+        cache.append(k, v, backend=backend)
+    us = time_us(step)
+    nbytes = 2 * k.numel() * k.element_size() + b * hkv * t * codec.bytes_per_token()
+    tbs = nbytes / us / 1e6
+    return {"kind": "prefill", "backend": backend, "B": b, "Hkv": hkv, "D": d, "T": t, "k_bits": bits[0],
+            "v_bits": bits[1], "us": us, "tbs": tbs, "frac_copy": tbs / copy_tbs}
+
+
+def _decode_row(case, backend, device) -> dict:
+    b, hkv, d, t, bits = case
+    cache = QuantizedKVCache(KVCodec(d, *bits), b, hkv, capacity=DECODE_CAPACITY, device=device, static=True)
+    k, v = _inputs(b, hkv, d, t, device)
+    calls = 10
+
+    def steps():
+        cache.seen.zero_()
+        for _ in range(calls):
+            cache.append(k, v, backend=backend)
+    graph_us = time_us_graph(steps, replays=1) / calls
+    steps()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        steps()
+    torch.cuda.synchronize()
+    eager_us = (time.perf_counter() - start) / (20 * calls) * 1e6
+    return {"kind": "decode", "backend": backend, "B": b, "Hkv": hkv, "D": d, "T": t, "k_bits": bits[0],
+            "v_bits": bits[1], "graph_us": graph_us, "eager_us": eager_us}
 
 
 def run(args) -> int:
     device = require_cuda()
     copy_tbs = copy_bandwidth_tbs()
-    results = []
-    for b, hkv, d, t, bits in (CASES[:2] if args.quick else CASES):
-        codec = KVCodec(d, *bits)
-        cache = QuantizedKVCache(codec, b, hkv, capacity=t, device=device)
-        k = torch.randn(b, hkv, t, d, device=device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-
-        def step():
-            cache.reset()
-            cache.append(k, v)
-        us = time_us(step)
-        nbytes = 2 * k.numel() * k.element_size() + b * hkv * t * codec.bytes_per_token()
-        tbs = nbytes / us / 1e6
-        results.append({"B": b, "Hkv": hkv, "D": d, "T": t, "k_bits": bits[0], "v_bits": bits[1],
-                        "us": us, "tbs": tbs, "frac_copy": tbs / copy_tbs})
+    backends = args.backends
+    prefill, decode = (PREFILL_CASES[:2], DECODE_CASES[:2]) if args.quick else (PREFILL_CASES, DECODE_CASES)
+    results = [_prefill_row(case, name, device, copy_tbs) for case in prefill for name in backends]
+    results += [_decode_row(case, name, device) for case in decode for name in backends]
     env = environment()
-    print_table(f"quantize-and-append, {env['gpu']}, copy {copy_tbs:.2f} TB/s",
-                ["B", "Hkv", "D", "T", "bits", "µs", "TB/s", "of copy"],
-                [[r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}", r["us"], r["tbs"],
-                  f"{100 * r['frac_copy']:.0f}%"] for r in results])
+    print_table(f"quantize-and-append of a prefill, {env['gpu']}, copy {copy_tbs:.2f} TB/s",
+                ["backend", "B", "Hkv", "D", "T", "bits", "µs", "TB/s", "of copy"],
+                [[r["backend"], r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}", r["us"], r["tbs"],
+                  f"{100 * r['frac_copy']:.0f}%"] for r in results if r["kind"] == "prefill"])
+    print_table(f"quantize-and-append of a decode step, {env['gpu']}",
+                ["backend", "B", "Hkv", "D", "T", "bits", "graph µs", "eager µs"],
+                [[r["backend"], r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}", r["graph_us"],
+                  r["eager_us"]] for r in results if r["kind"] == "decode"])
     write_results(args.out, "quantize", {"env": env, "copy_tbs": copy_tbs, "results": results})
     return 0

@@ -6,14 +6,12 @@ tokens), one more CTA attends them in full precision as one more part; the last 
 head attends the fresh k/v tokens (when given) in full precision, merges them with the parts, adds the
 sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
 query rows per KV head, GPUs before sm_80) go to the Triton path.  The extension is built with nvcc on first use
-(torch.utils.cpp_extension), for the GPUs this process sees.
+(ops/cuda_extension.py), for the GPUs this process sees.
 """
 
 from __future__ import annotations
 
-import warnings
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -21,48 +19,11 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from .config import CUDA_HEAD_DIMS, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
+from ..cuda_extension import capable, extension
+from .config import CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
 from .triton import cached_attention_triton, part_buffers, query_scale
 
-CSRC = Path(__file__).with_name("csrc")
 CHUNK_ALIGN = 64     # split boundaries, in keys (a multiple of the kernel's 16-key tile)
-
-
-@lru_cache(maxsize=None)
-def _extension():
-    """The compiled kernel module, or None (with a one-time warning) when it cannot be built here."""
-    from torch.utils.cpp_extension import load
-    try:
-        # One translation unit per head dim and variant (with or without exact rows): ninja builds them in parallel.
-        sources = [CSRC / "binding.cpp"] + [CSRC / f"decode_d{d}{variant}.cu" for d in CUDA_HEAD_DIMS
-                                            for variant in ("", "_exact")]
-        return load(name="turboattn_decode", sources=[str(x) for x in sources], extra_cuda_cflags=_nvcc_flags(),
-                    extra_include_paths=[str(CSRC)], verbose=False)
-    except Exception as e:  # no nvcc, no compiler, unsupported toolkit: the Triton kernels still serve
-        warnings.warn(f"turboattn: the CUDA decode kernel could not be built ({e}); using the Triton path",
-                      RuntimeWarning, stacklevel=3)
-        return None
-
-
-def _nvcc_flags() -> list[str]:
-    """Machine code for the sm_80+ GPUs this process sees, and nothing else (each architecture is a full build of
-    90 kernels); nvcc 12+ also spreads each translation unit's kernels over the cores (-split-compile=0)."""
-    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    flags = ["-O3"] + [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs if (a, b) >= (8, 0)]
-    if int((torch.version.cuda or "0").split(".")[0]) >= 12:
-        flags.append("-split-compile=0")
-    return flags
-
-
-def build_extension() -> bool:
-    """Build the kernel now (or load torch's cached build): False, with the warning, when it cannot be built.
-    Otherwise the first decode step on a GPU builds it (under a minute of nvcc, once per machine)."""
-    return _extension() is not None
-
-
-@lru_cache(maxsize=None)
-def _capable(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -70,7 +31,7 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     (config.cuda_kernel_serves) and the GPU.  Every storage option of the format is read (either scale dtype,
     exact rows)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return q.is_cuda and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device)
+    return q.is_cuda and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(q.device)
 
 
 @lru_cache(maxsize=None)
@@ -94,7 +55,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     rows = tq * (hq // hkv)
-    ext = _extension() if supports(q, codec, hkv) else None
+    ext = extension() if supports(q, codec, hkv) else None
     exact = layout.has_exact_rows
     if ext is not None and plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda",

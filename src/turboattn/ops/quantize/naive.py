@@ -14,7 +14,7 @@ def quantize_append_naive(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout,
     """Write k, v [B, Hkv, T, D] into each sequence's next slots (layout.seen is not advanced here).
 
     new_lengths [B] (None: all T) counts the real tokens of each sequence; a ring keeps the
-    last W of a longer chunk.  Keys go through the key transform first, as the cache codes them.
+    last W of a longer chunk, a contiguous cache the tokens that fit in its capacity.  Keys go through the key transform first, as the cache codes them.
     layout.nonfinite (when set) counts the stored vectors that held a NaN or infinity.
     """
     t = k.shape[2]
@@ -23,6 +23,8 @@ def quantize_append_naive(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout,
     if layout.has_key_transform:
         k = to_stored_keys(k, layout.key_shift, layout.key_gain)
     for b in range(layout.batch_size):
+        if not layout.is_ring:
+            n[b] = min(n[b], max(layout.capacity - seen[b], 0))  # a full static cache stores what fits
         first = max(0, n[b] - layout.capacity)  # a ring keeps only the last W of a long chunk
         if n[b] <= first:
             continue

@@ -227,6 +227,8 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     slot = slot0 + offs_t
     if RING:
         slot = slot % N
+    else:
+        valid = valid & (slot < N)  # a full static cache stores what fits (QuantizedKVCache.append)
     row = (b * num_kv_heads + h).to(tl.int64) * N + slot
     _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC, M, MP)
     norm = 1.0 / tl.sqrt((D // M) * 1.0)  # kron_rows is unnormalized: 1 / sqrt(P), Q is orthonormal

@@ -1,5 +1,6 @@
-// Python binding of the CUDA decode kernel: checks nothing (ops/cached/cuda.py validated the call), fills the
-// parameter block from tensors and launches on the current stream.
+// Python binding of the CUDA kernels (the decode kernel, ops/cached/csrc; quantize-append, ops/quantize/csrc):
+// checks nothing (ops/cached/cuda.py and ops/quantize/cuda.py validated the call), fills the parameter blocks from
+// tensors and launches on the current stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -7,6 +8,7 @@
 #include <cmath>
 
 #include "decode.h"
+#include "quantize.h"
 
 void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
             const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
@@ -114,8 +116,60 @@ int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
   return -1;
 }
 
+void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_codes, torch::Tensor& k_scales,
+                     torch::Tensor& v_codes, torch::Tensor& v_scales, const torch::Tensor& k_grid, double k_grid_lo,
+                     double k_grid_scale, const torch::Tensor& v_grid, double v_grid_lo, double v_grid_scale,
+                     const torch::Tensor& signs, const c10::optional<torch::Tensor>& key_shift,
+                     const c10::optional<torch::Tensor>& key_gain, const torch::Tensor& seen,
+                     const c10::optional<torch::Tensor>& new_lengths, const c10::optional<torch::Tensor>& nonfinite,
+                     int64_t k_bits, int64_t v_bits, int64_t rule, bool ring) {
+  turboattn::QuantizeParams p{};
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.k_stride_b = k.stride(0);
+  p.k_stride_h = k.stride(1);
+  p.k_stride_t = k.stride(2);
+  p.v_stride_b = v.stride(0);
+  p.v_stride_h = v.stride(1);
+  p.v_stride_t = v.stride(2);
+  p.in_dtype = k.scalar_type() == at::kHalf ? 0 : (k.scalar_type() == at::kBFloat16 ? 1 : 2);
+  p.k_codes = k_codes.data_ptr<uint8_t>();
+  p.k_scales = k_scales.data_ptr();
+  p.v_codes = v_codes.data_ptr<uint8_t>();
+  p.v_scales = v_scales.data_ptr();
+  p.scale_bf16 = k_scales.scalar_type() == at::kBFloat16;
+  p.k_grid = reinterpret_cast<const float4*>(k_grid.data_ptr<float>());
+  p.k_grid_lo = static_cast<float>(k_grid_lo);
+  p.k_grid_scale = static_cast<float>(k_grid_scale);
+  p.k_grid_size = k_grid.size(0);
+  p.v_grid = reinterpret_cast<const float4*>(v_grid.data_ptr<float>());
+  p.v_grid_lo = static_cast<float>(v_grid_lo);
+  p.v_grid_scale = static_cast<float>(v_grid_scale);
+  p.v_grid_size = v_grid.size(0);
+  p.signs = signs.data_ptr<float>();
+  p.key_shift = key_shift.has_value() ? key_shift->data_ptr<float>() : nullptr;
+  p.key_gain = key_gain.has_value() ? key_gain->data_ptr<float>() : nullptr;
+  p.seen = seen.data_ptr<int>();
+  p.new_lengths = new_lengths.has_value() ? new_lengths->data_ptr<int>() : nullptr;
+  p.nonfinite = nonfinite.has_value() ? nonfinite->data_ptr<int>() : nullptr;
+  p.k_bits = static_cast<int>(k_bits);
+  p.v_bits = static_cast<int>(v_bits);
+  p.rule = static_cast<int>(rule);
+  p.tokens = k.size(2);
+  p.capacity = k_codes.size(2);
+  p.num_kv_heads = k_codes.size(1);
+  p.ring = ring;
+  const c10::cuda::CUDAGuard guard(k.device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int err = launch_quantize_append(p, k.size(3), k.size(0), sms, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err != -1, "turboattn quantize_append: no kernel for head_dim ", k.size(3));
+  TORCH_CHECK(err == 0, "turboattn quantize_append launch failed: CUDA error ", err);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "split-K decode over K and V codes of TURBOATTN_BIT_PAIRS (float32 or bfloat16 scales, exact rows), "
         "D = 64 / 128 / 256");
+  m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes and scales, "
+        "D = 64 / 128 / 256 / 512, every bit width");
   m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
 }

@@ -1,0 +1,58 @@
+"""The CUDA C++ kernels as one torch extension, built with nvcc on first use (torch.utils.cpp_extension), for the
+GPUs this process sees: the decode kernel (cached/csrc) and quantize-append (quantize/csrc), bound together in
+csrc/binding.cpp.  Without nvcc (or a compiler) the Triton kernels serve every call, after a one-time warning."""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .cached.config import CUDA_HEAD_DIMS
+
+_OPS = Path(__file__).parent
+_INCLUDES = [_OPS / "csrc", _OPS / "cached" / "csrc", _OPS / "quantize" / "csrc"]
+
+
+def _sources() -> list[Path]:
+    # One translation unit per decode head dim and variant (with or without exact rows): ninja builds them in
+    # parallel.
+    decode = [_OPS / "cached" / "csrc" / f"decode_d{d}{variant}.cu" for d in CUDA_HEAD_DIMS for variant in ("", "_exact")]
+    return [_OPS / "csrc" / "binding.cpp", *decode, _OPS / "quantize" / "csrc" / "quantize.cu"]
+
+
+@lru_cache(maxsize=None)
+def extension():
+    """The compiled module, or None (with a one-time warning) when it cannot be built here."""
+    from torch.utils.cpp_extension import load
+    try:
+        return load(name="turboattn_cuda", sources=[str(x) for x in _sources()], extra_cuda_cflags=_nvcc_flags(),
+                    extra_include_paths=[str(x) for x in _INCLUDES], verbose=False)
+    except Exception as e:  # no nvcc, no compiler, unsupported toolkit: the Triton kernels still serve
+        warnings.warn(f"turboattn: the CUDA kernels could not be built ({e}); using the Triton path",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _nvcc_flags() -> list[str]:
+    """Machine code for the sm_80+ GPUs this process sees, and nothing else (each architecture is a full build of
+    90 decode kernels); nvcc 12+ also spreads each translation unit's kernels over the cores (-split-compile=0)."""
+    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    flags = ["-O3"] + [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs if (a, b) >= (8, 0)]
+    if int((torch.version.cuda or "0").split(".")[0]) >= 12:
+        flags.append("-split-compile=0")
+    return flags
+
+
+def build_extension() -> bool:
+    """Build the kernels now (or load torch's cached build): False, with the warning, when they cannot be built.
+    Otherwise the first decode step on a GPU builds them (under a minute of nvcc, once per machine)."""
+    return extension() is not None
+
+
+@lru_cache(maxsize=None)
+def capable(device: torch.device) -> bool:
+    """Whether the GPU runs the kernels (sm_80 or newer)."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)

@@ -1,0 +1,427 @@
+// Fused quantize-append on CUDA GPUs, head_dim 64 / 128 / 256 / 512 and every bit width of the format: the twin
+// of quantize/triton.py and of naive.py (the reference codec, format/codec.py), which define what is stored.
+//
+// A vector's D coordinates are spread over L = D / PL consecutive lanes, PL each (lane s of the group holds
+// coordinates PL s .. PL s + PL - 1): PL = 16 for long chunks, so a warp codes 32 / L vectors at once; a decode step
+// spreads a vector over a whole warp (QuantShape).  Every reduction over a vector is a few shuffles inside its
+// group.  Per vector: load (wide loads; the next block's are in flight while this one is coded), key transform,
+// non-finite check, the exact power-of-two prescale of codec.quantize, signs, the Hadamard transform (butterflies
+// inside a lane, log2 L stages across lanes by shuffles; unnormalized: 1 / sqrt(D) is folded into the scale), the
+// norm block's RMS, the Lloyd–Max cell of every coordinate (one 16-byte read of a uniform grid, whose cell holds the
+// count of boundaries below it, the next boundary and the two centroids it can decide between, plus one compare:
+// exact because no grid cell holds two boundaries; quantize/triton.py's method, with the reads fused), the scale rule, and
+// the planar packing: each lane puts its cell indices in shared memory as bytes, and the group then builds the
+// packed row's 32-bit words (a row is D * bits / 8 bytes): a word of a w-bit plane of P bytes ORs, for k < 8 / w,
+// the w-bit slices of four consecutive indices at coordinate j + k P (byte j of a plane holds coordinate j + k P at
+// bit k w).  Tokens are read once and codes written once, so the kernel streams; CTAs loop over token blocks so
+// that the tables they stage in shared memory serve many tokens.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "quantize.h"
+
+namespace turboattn {
+namespace {
+
+constexpr int MAX_WARPS = 4;
+constexpr int LONG_PER_LANE = 16;  // coordinates per lane for long chunks; a decode step spreads a vector wider
+constexpr int SHORT_CHUNK = 16;   // tokens per sequence up to which a launch takes the decode-step shape
+
+// PL coordinates per lane: 16 for long chunks (a warp codes 32 / L vectors with 32-byte loads per lane, at 72
+// registers); a decode step takes the fewest that fit a vector in a warp (max(D / 32, 4)), so each lane's
+// dependency chain is short.
+template <int D, int PL>
+struct QuantShape {
+  static_assert(D == 64 || D == 128 || D == 256 || D == 512, "head_dim 64, 128, 256 or 512");
+  static_assert(PL >= 4 && PL <= 32 && D / PL <= 32, "4 to 32 coordinates per lane, at most 32 lanes");
+  static constexpr int L = D / PL;                // lanes per vector
+  static constexpr int VECTORS = 32 / L;          // vectors per warp
+  static constexpr int NB = D > 256 ? 2 : 1;      // norm blocks (format/codec.py)
+  static constexpr int BLOCK = D / NB;
+  static constexpr int BLOCK_LANES = BLOCK / PL;
+};
+
+template <int D>
+constexpr int short_chunk_per_lane() { return D / 32 > 4 ? D / 32 : 4; }
+
+template <int BITS>
+struct PlaneWidths {  // format/codec.py plane_widths: the low bits in the widest plane
+  static constexpr int LOW = BITS == 3 ? 2 : (BITS == 5 || BITS == 6 ? 4 : BITS);
+  static constexpr int HIGH = BITS - LOW;
+};
+
+__device__ __forceinline__ float pow2(int n) { return __int_as_float((n + 127) << 23); }
+
+// x * 2^n in two normal factors, in codec.times_pow2's order (exact unless the result over- or underflows).
+__device__ __forceinline__ float times_pow2(float x, int n) {
+  n = min(max(n, -252), 252);
+  const int half = n >> 1;  // floor(n / 2)
+  return x * pow2(half) * pow2(n - half);
+}
+
+// A lane's PL consecutive values of a row, as loaded (8 or 16-byte loads).
+template <int DTYPE, int PL>  // DTYPE: 0 float16, 1 bfloat16, 2 float32
+struct RawRow {
+  static constexpr int BYTES = PL * (DTYPE == 2 ? 4 : 2);
+  uint32_t w[BYTES / 4];
+};
+
+template <int DTYPE, int PL>
+__device__ __forceinline__ void fetch_row(const void* base, long long offset, RawRow<DTYPE, PL>& raw) {
+  constexpr int BYTES = RawRow<DTYPE, PL>::BYTES;
+  const char* src = static_cast<const char*>(base) + offset * (DTYPE == 2 ? 4 : 2);
+  // Read once: stream past the caches.
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src) + i);
+      raw.w[4 * i] = q.x, raw.w[4 * i + 1] = q.y, raw.w[4 * i + 2] = q.z, raw.w[4 * i + 3] = q.w;
+    }
+  } else {
+    static_assert(BYTES == 8, "8 or a multiple of 16 bytes per lane");
+    const uint2 q = __ldcs(reinterpret_cast<const uint2*>(src));
+    raw.w[0] = q.x, raw.w[1] = q.y;
+  }
+}
+
+template <int DTYPE, int PL>
+__device__ __forceinline__ void convert_row(const RawRow<DTYPE, PL>& raw, float (&x)[PL]) {
+#pragma unroll
+  for (int j = 0; j < RawRow<DTYPE, PL>::BYTES / 4; ++j) {
+    if constexpr (DTYPE == 2) {
+      x[j] = __uint_as_float(raw.w[j]);
+    } else if constexpr (DTYPE == 1) {  // bfloat16: the top half of a float32
+      x[2 * j] = __uint_as_float(raw.w[j] << 16);
+      x[2 * j + 1] = __uint_as_float(raw.w[j] & 0xffff0000u);
+    } else {
+      x[2 * j] = __half2float(__ushort_as_half(static_cast<unsigned short>(raw.w[j] & 0xffffu)));
+      x[2 * j + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(raw.w[j] >> 16)));
+    }
+  }
+}
+
+// Sum (or max, or OR) over the `lanes` consecutive lanes of a group (a power of two, aligned).
+template <int LANES>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int m = 1; m < LANES; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// One word of a W-bit plane of P = D W / 8 bytes, at plane byte j (a multiple of 4), from a vector's cell indices
+// (one byte each, in coordinate order): byte j + i holds bits [shift, shift + W) of index j + i + k P at bit k W.
+template <int D, int W>
+__device__ __forceinline__ uint32_t plane_word(const uint8_t* cells, int j, int shift) {
+  constexpr int P = D * W / 8;
+  constexpr uint32_t MASK = ((1u << W) - 1) * 0x01010101u;
+  uint32_t word = 0;
+#pragma unroll
+  for (int k = 0; k < 8 / W; ++k) {
+    const uint32_t four = *reinterpret_cast<const uint32_t*>(cells + j + k * P);
+    word |= ((four >> shift) & MASK) << (k * W);
+  }
+  return word;
+}
+
+// Store N words at dst with the widest accesses its alignment allows (dst is a multiple of 4 * N bytes).
+template <int N>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) reinterpret_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) reinterpret_cast<uint2*>(dst)[i / 2] = make_uint2(w[i], w[i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) reinterpret_cast<uint32_t*>(dst)[i] = w[i];
+  }
+}
+
+__device__ __forceinline__ void store_scale(void* scales, size_t at, float s, bool as_bf16) {
+  if (!as_bf16) {
+    static_cast<float*>(scales)[at] = s;
+    return;
+  }
+  // Round to nearest even in integer arithmetic, as the Triton kernel and torch's .to(torch.bfloat16) do; a NaN
+  // stays the quiet NaN torch stores.
+  const uint32_t bits = __float_as_uint(s);
+  const uint32_t rounded = s == s ? (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16 : 0x7fc0u;
+  static_cast<uint16_t*>(scales)[at] = static_cast<uint16_t>(rounded);
+}
+
+struct Tables {  // in shared memory
+  const float4* grid;    // [grid_size]: (boundaries below the cell's left edge, the next one, its two centroids)
+  const float* signs;    // [D]
+  float grid_lo, grid_scale;
+  int grid_size;
+};
+
+// The cells of a lane's PL rotated coordinates x (u = x * inv), as bytes packed four to a word, and with CENTROIDS
+// the sums the corrected and least-squares scales need (sum of c^2, sum of x c).  Branch-free: every lane reads the
+// same tables whatever its values.
+template <int PL, bool CENTROIDS>
+__device__ __forceinline__ void find_cells(const float (&x)[PL], float inv, int keep, const Tables& tab,
+                                           uint32_t (&packed)[PL / 4], float& csq, float& yc) {
+  const float offset = -tab.grid_lo * tab.grid_scale;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const float u = x[i] * inv;
+    const int g = min(max(static_cast<int>(fmaf(u, tab.grid_scale, offset)), 0), tab.grid_size - 1);
+    const float4 cell = tab.grid[g];   // one 16-byte read: count below, next boundary, the two centroids
+    const bool above = cell.y < u;
+    const int idx = (__float_as_int(cell.x) + above) & keep;
+    if constexpr (CENTROIDS) {
+      const float c = above ? cell.w : cell.z;
+      csq = fmaf(c, c, csq);
+      yc = fmaf(x[i], c, yc);
+    }
+    if (i % 4 == 0) packed[i / 4] = 0;
+    packed[i / 4] |= static_cast<uint32_t>(idx) << (8 * (i % 4));
+  }
+}
+
+// Code this CTA's tokens of one (sequence, KV head) and side.
+template <int D, int PL, int DTYPE, int BITS>
+__device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, int n_new, int first,
+                                            int slot0, const Tables& tab, uint8_t* warp_cells) {
+  using S = QuantShape<D, PL>;
+  using PW = PlaneWidths<BITS>;
+  constexpr int ROW = D * BITS / 8;
+  constexpr int P0 = D * PW::LOW / 8;
+  constexpr int ROW_WORDS = ROW / 4;
+  constexpr int LANE_WORDS = (ROW_WORDS + S::L - 1) / S::L;  // packed words per lane (BITS * PL / 32)
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int vec = lane / S::L, sub = lane % S::L, c0 = sub * PL;
+  const void* src = is_key ? p.k : p.v;  // of DTYPE (p.in_dtype)
+  const long long stride_b = is_key ? p.k_stride_b : p.v_stride_b;
+  const long long stride_h = is_key ? p.k_stride_h : p.v_stride_h;
+  const long long stride_t = is_key ? p.k_stride_t : p.v_stride_t;
+  const long long row0 = b * stride_b + (bh % p.num_kv_heads) * stride_h + c0;
+  uint8_t* codes = is_key ? p.k_codes : p.v_codes;
+  void* scales = is_key ? p.k_scales : p.v_scales;
+  const bool transform = is_key && p.key_shift != nullptr;
+  const float norm = 1.f / sqrtf(static_cast<float>(D));  // the transform below is unnormalized
+  const int tokens_per_cta = warps * S::VECTORS;
+
+  const int step = gridDim.x * tokens_per_cta;
+  auto stored = [&](int t) { return t < n_new && t >= first && (p.ring || slot0 + t < p.capacity); };
+  // The next block's rows are fetched while this one is coded (one block of loads in flight per warp).
+  RawRow<DTYPE, PL> next;
+  int t_next = blockIdx.x * tokens_per_cta + warp * S::VECTORS + vec;
+  if (stored(t_next)) fetch_row<DTYPE, PL>(src, row0 + t_next * stride_t, next);
+  for (int t0 = blockIdx.x * tokens_per_cta; t0 < n_new; t0 += step) {
+    const int t = t_next;
+    const bool valid = stored(t);
+    const RawRow<DTYPE, PL> raw = next;
+    t_next = t + step;
+    if (stored(t_next)) fetch_row<DTYPE, PL>(src, row0 + t_next * stride_t, next);
+    const int slot = p.ring ? (slot0 + t) % p.capacity : slot0 + t;
+    float x[PL];
+    if (valid) {
+      convert_row<DTYPE, PL>(raw, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < PL; ++i) x[i] = 0.f;
+    }
+    if (transform) {  // (k - shift) * gain, in the Triton kernel's order
+      const float4* shift = reinterpret_cast<const float4*>(p.key_shift + static_cast<size_t>(bh) * D + c0);
+      const float4* gain = reinterpret_cast<const float4*>(p.key_gain + static_cast<size_t>(bh) * D + c0);
+#pragma unroll
+      for (int i = 0; i < PL / 4; ++i) {
+        const float4 s = shift[i], g = gain[i];
+        x[4 * i] = (x[4 * i] - s.x) * g.x;
+        x[4 * i + 1] = (x[4 * i + 1] - s.y) * g.y;
+        x[4 * i + 2] = (x[4 * i + 2] - s.z) * g.z;
+        x[4 * i + 3] = (x[4 * i + 3] - s.w) * g.w;
+      }
+    }
+    // A NaN or infinity anywhere makes `probe` NaN (x * 0 is NaN only for them): such a vector is stored as codes 0
+    // and NaN scales, so what the arithmetic below makes of it does not matter.
+    float amax = 0.f, probe = 0.f;
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      amax = fmaxf(amax, fabsf(x[i]));
+      probe = fmaf(x[i], 0.f, probe);
+    }
+#pragma unroll
+    for (int m = 1; m < S::L; m <<= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      probe += __shfl_xor_sync(0xffffffffu, probe, m);
+    }
+    const bool bad = probe != probe;
+    int e;
+    frexpf(amax, &e);  // amax in [2^(e-1), 2^e); 0 for 0 (codec.magnitude_exponent)
+    const int half = (-e) >> 1;
+    const float down_a = pow2(half), down_b = pow2(-e - half);  // |e| <= 149: no clamp needed
+#pragma unroll
+    for (int i = 0; i < PL; ++i) x[i] = x[i] * down_a * down_b * tab.signs[c0 + i];
+    // Hadamard transform over the group's D coordinates: coordinate 32 s + i is lane s's x[i].
+#pragma unroll
+    for (int hstep = 1; hstep < PL; hstep <<= 1) {
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        if (i & hstep) continue;
+        const float u = x[i], v = x[i + hstep];
+        x[i] = u + v;
+        x[i + hstep] = u - v;
+      }
+    }
+#pragma unroll
+    for (int m = 1; m < S::L; m <<= 1) {
+      const float sign = (sub & m) ? -1.f : 1.f;  // this lane holds the butterfly's second half
+#pragma unroll
+      for (int i = 0; i < PL; ++i) x[i] = fmaf(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
+    }
+    float sumsq = 0.f;
+#pragma unroll
+    for (int i = 0; i < PL; ++i) sumsq = fmaf(x[i], x[i], sumsq);
+    sumsq = group_sum<S::BLOCK_LANES>(sumsq);
+    const float rms = sqrtf(sumsq / S::BLOCK);
+    const float inv = 1.f / (rms > 0.f ? rms : 1.f);
+    // Cells: count the boundaries strictly below u (ties to the lower cell, saturating at the ends).  Two copies
+    // of the loop, so that neither branches per coordinate: the scale rules other than rms need the centroids.
+    uint32_t packed[PL / 4];
+    float csq = 0.f, yc = 0.f;
+    const int keep = bad ? 0 : 0xff;  // a non-finite vector stores codes 0
+    if (p.rule != 0) {
+      find_cells<PL, true>(x, inv, keep, tab, packed, csq, yc);
+    } else {
+      find_cells<PL, false>(x, inv, keep, tab, packed, csq, yc);
+    }
+    __syncwarp();  // the previous iteration's packing has read its cells
+    uint8_t* cells_out = warp_cells + lane * PL;
+    if constexpr (PL % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < PL / 16; ++i)
+        reinterpret_cast<uint4*>(cells_out)[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < PL / 4; ++i) reinterpret_cast<uint32_t*>(cells_out)[i] = packed[i];
+    }
+    __syncwarp();
+    const uint8_t* cells = warp_cells + vec * D;
+    uint32_t words[LANE_WORDS];
+#pragma unroll
+    for (int w = 0; w < LANE_WORDS; ++w) {
+      const int at = min(sub * LANE_WORDS + w, ROW_WORDS - 1) * 4;  // byte of the packed row (lanes past it idle)
+      if constexpr (PW::HIGH == 0) {
+        words[w] = plane_word<D, PW::LOW>(cells, at, 0);
+      } else {
+        words[w] = at < P0 ? plane_word<D, PW::LOW>(cells, at, 0) : plane_word<D, PW::HIGH>(cells, at - P0, PW::LOW);
+      }
+    }
+    float scale = rms;
+    if (p.rule != 0) {
+      csq = group_sum<S::BLOCK_LANES>(csq);
+      if (p.rule == 1) {
+        scale = sqrtf(sumsq) / sqrtf(csq);
+      } else {
+        yc = group_sum<S::BLOCK_LANES>(yc);
+        scale = yc / csq;
+      }
+      scale = rms > 0.f ? scale : 0.f;
+    }
+    if (valid) {
+      const size_t row = static_cast<size_t>(bh) * p.capacity + slot;
+      uint8_t* dst = codes + row * ROW + sub * LANE_WORDS * 4;
+      if constexpr (ROW_WORDS % S::L == 0) {  // every lane writes LANE_WORDS words, as wide as they align
+        store_words<LANE_WORDS>(dst, words);
+      } else {
+#pragma unroll
+        for (int w = 0; w < LANE_WORDS; ++w)
+          if (sub * LANE_WORDS + w < ROW_WORDS) reinterpret_cast<uint32_t*>(dst)[w] = words[w];
+      }
+      if (sub % S::BLOCK_LANES == 0) {
+        const float s = bad ? __int_as_float(0x7fc00000) : times_pow2(scale * norm, e);
+        store_scale(scales, row * S::NB + sub / S::BLOCK_LANES, s, p.scale_bf16);
+      }
+      if (bad && sub == 0 && p.nonfinite != nullptr) atomicAdd(p.nonfinite + b, 1);
+    }
+  }
+}
+
+// Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
+// (the cell grid: 1 KB for codes of up to 6 bits, 16 KB for 8 bits) and loops over token blocks gridDim.x apart.
+template <int D, int PL, int DTYPE>
+__global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const QuantizeParams p) {
+  __shared__ float4 grid[MAX_GRID];
+  __shared__ __align__(16) float signs[D];
+  __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
+  const bool is_key = blockIdx.z == 0;
+  const int bits = is_key ? p.k_bits : p.v_bits;
+  const int bh = blockIdx.y, b = bh / p.num_kv_heads;
+  const int grid_size = is_key ? p.k_grid_size : p.v_grid_size;
+  for (int i = threadIdx.x; i < grid_size; i += blockDim.x) grid[i] = (is_key ? p.k_grid : p.v_grid)[i];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) signs[i] = p.signs[i];
+  const int n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
+  const int first = p.ring ? max(n_new - p.capacity, 0) : 0;  // a ring keeps only the last N of a long chunk
+  const int slot0 = p.seen[b];
+  __syncthreads();
+  const Tables tab{grid, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
+                   is_key ? p.k_grid_scale : p.v_grid_scale, grid_size};
+  uint8_t* warp_cells = cells[threadIdx.x / 32];
+  switch (bits) {
+    case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+    case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+    case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+    case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+    case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+    case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+  }
+}
+
+// CTAs of quantize_append_kernel<D, PL, DTYPE> resident per SM (registers and shared memory), asked once.
+template <int D, int PL, int DTYPE>
+int resident_ctas(int threads) {
+  static int per_sm[MAX_WARPS + 1] = {};
+  const int warps = threads / 32;
+  if (per_sm[warps] == 0)
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[warps], quantize_append_kernel<D, PL, DTYPE>, threads, 0);
+  return per_sm[warps];
+}
+
+template <int D, int PL, int DTYPE>
+int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
+  constexpr int VECTORS = QuantShape<D, PL>::VECTORS;
+  const int warps = min(MAX_WARPS, (p.tokens + VECTORS - 1) / VECTORS);
+  const int blocks = (p.tokens + warps * VECTORS - 1) / (warps * VECTORS);
+  const int rows = 2 * batch * p.num_kv_heads;
+  // One wave of resident CTAs over all (sequence, KV head, side) rows: long chunks keep the GPU full and each CTA's
+  // staged tables serve many tokens.
+  const int per_row = max(1, (resident_ctas<D, PL, DTYPE>(warps * 32) * sms) / rows);
+  const dim3 grid(min(blocks, per_row), batch * p.num_kv_heads, 2);
+  quantize_append_kernel<D, PL, DTYPE><<<grid, warps * 32, 0, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int D, int DTYPE>
+int launch_for_shape(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
+  if (p.tokens <= SHORT_CHUNK) return launch<D, short_chunk_per_lane<D>(), DTYPE>(p, batch, sms, stream);
+  return launch<D, LONG_PER_LANE, DTYPE>(p, batch, sms, stream);
+}
+
+template <int D>
+int launch_for_dtype(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
+  switch (p.in_dtype) {
+    case 0: return launch_for_shape<D, 0>(p, batch, sms, stream);
+    case 1: return launch_for_shape<D, 1>(p, batch, sms, stream);
+    default: return launch_for_shape<D, 2>(p, batch, sms, stream);
+  }
+}
+
+}  // namespace
+}  // namespace turboattn
+
+int launch_quantize_append(const turboattn::QuantizeParams& params, int head_dim, int batch, int sms,
+                           void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (head_dim) {
+    case 64: return turboattn::launch_for_dtype<64>(params, batch, sms, s);
+    case 128: return turboattn::launch_for_dtype<128>(params, batch, sms, s);
+    case 256: return turboattn::launch_for_dtype<256>(params, batch, sms, s);
+    case 512: return turboattn::launch_for_dtype<512>(params, batch, sms, s);
+    default: return -1;
+  }
+}

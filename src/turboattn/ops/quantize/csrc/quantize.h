@@ -1,0 +1,45 @@
+// Parameters of the CUDA quantize-append kernel (quantize.cu); plain data, shared with the binding.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace turboattn {
+
+struct QuantizeParams {
+  // Fresh vectors k, v [B, Hkv, T, D], unit stride along D, rows 16-byte aligned (ops/quantize/cuda.py makes sure).
+  const void* k;
+  const void* v;
+  long long k_stride_b, k_stride_h, k_stride_t, v_stride_b, v_stride_h, v_stride_t;
+  int in_dtype;  // 0 float16, 1 bfloat16, 2 float32 (k and v alike)
+  // The cache: codes [B, Hkv, N, D * bits / 8] uint8, scales [B, Hkv, N, NB] float32 or bfloat16.
+  uint8_t* k_codes;
+  void* k_scales;
+  uint8_t* v_codes;
+  void* v_scales;
+  int scale_bf16;
+  // Cell search per side (quantize/cuda.py cell_grid): a uniform grid over u in [lo, -lo), grid_size cells (at most
+  // MAX_GRID) of 1 / scale, each narrower than the closest two boundaries; cell g holds (as float4) the count of
+  // boundaries below its left edge (int bits), the next boundary above that (+inf past the last), and the
+  // centroids of the two code cells it can fall in.
+  const float4* k_grid;
+  const float4* v_grid;
+  float k_grid_lo, k_grid_scale, v_grid_lo, v_grid_scale;
+  int k_grid_size, v_grid_size;
+  const float* signs;      // [D]
+  const float* key_shift;  // [B, Hkv, D] float32 or nullptr: keys are coded as (k - shift) * gain
+  const float* key_gain;
+  const int* seen;         // [B]: slot of token 0 is seen[b] (modulo the capacity for a ring)
+  const int* new_lengths;  // [B] real tokens per sequence, or nullptr (all T)
+  int* nonfinite;          // [B] vectors stored with a NaN or infinity, or nullptr
+  int k_bits, v_bits, rule;  // rule: 0 rms, 1 corrected, 2 lsq (format/codec.py SCALE_RULES)
+  int tokens, capacity, num_kv_heads, ring;
+};
+
+constexpr int MAX_GRID = 1024;  // cells of the largest grid (8-bit codes)
+
+}  // namespace turboattn
+
+// Launch quantize-append for head_dim D (64, 128, 256 or 512) on `stream` (a cudaStream_t) over the batch * Hkv
+// rows of a GPU with `sms` multiprocessors: the CUDA error code (0: none), -1 for a head dim the kernel is not
+// built for.
+int launch_quantize_append(const turboattn::QuantizeParams& params, int head_dim, int batch, int sms, void* stream);

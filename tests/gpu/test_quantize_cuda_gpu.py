@@ -1,0 +1,135 @@
+"""The CUDA quantize-append kernel (ops/quantize/csrc/quantize.cu) against the reference codec, on a GPU.
+
+Both caches start from the same random bytes (poison), so a slot the kernel should not touch must keep them, and
+one it should write must hold the reference's codes: the whole tensors are compared (quantize_checks.assert_same:
+only cells within float rounding of a boundary may differ)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import turboattn as ta
+from turboattn.ops import backend
+
+from quantize_checks import assert_same
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _pair(codec, b, hkv, gen, **kw):
+    """A cache for the CUDA kernel and one for the reference, holding the same random bytes."""
+    fused = ta.QuantizedKVCache(codec, b, hkv, device="cuda", **kw)
+    ref = ta.QuantizedKVCache(codec, b, hkv, device="cuda", **kw)
+    for name in ("k_codes", "v_codes"):
+        noise = torch.randint(0, 256, getattr(fused, name).shape, generator=gen, dtype=torch.uint8).cuda()
+        getattr(fused, name).copy_(noise)
+        getattr(ref, name).copy_(noise)
+    for name in ("k_scales", "v_scales"):
+        noise = torch.randn(getattr(fused, name).shape, generator=gen).cuda()
+        getattr(fused, name).copy_(noise)
+        getattr(ref, name).copy_(noise)
+    return fused, ref
+
+
+def _append(fused, ref, k, v, **kw):
+    fused.append(k, v, **kw)   # auto: the CUDA kernel on a GPU
+    ref.append(k, v, backend="torch", **kw)
+
+
+def test_auto_picks_the_cuda_kernel():
+    for d in (64, 128, 256, 512):
+        assert backend.choose("quantize_append", "auto", torch.device("cuda"), d) == "cuda"
+    assert backend.choose("quantize_append", "auto", torch.device("cuda"), 80) == "triton"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("rule", ["rms", "corrected", "lsq"])
+def test_every_width_and_rule(d, bits, rule, gen):
+    v_bits = BITS[(BITS.index(bits) + 2) % len(BITS)]   # a different width on the V side
+    codec = ta.KVCodec(d, bits, v_bits, rule)
+    fused, ref = _pair(codec, 2, 3, gen, capacity=400)
+    inputs = []
+    for t, dtype in ((1, torch.bfloat16), (37, torch.float16), (300, torch.float32), (5, torch.bfloat16)):
+        k = (torch.randn(2, 3, t, d, generator=gen) * 3).to("cuda", dtype)
+        v = torch.randn(2, 3, t, d, generator=gen).to("cuda", dtype)
+        k[0, 1, 0] = 0   # a zero vector: scale 0
+        _append(fused, ref, k, v)
+        inputs.append((k, v))
+    assert_same(fused, ref, inputs)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_ring_lengths_transform_and_bf16_scales(d, gen):
+    """A ring that wraps (and a chunk longer than it), ragged lengths, the key transform, bfloat16 scales."""
+    codec = ta.KVCodec(d, 4, 3, scale_dtype=torch.bfloat16)
+    fused, ref = _pair(codec, 3, 2, gen, sliding_window=40)
+    shift = torch.randn(3, 2, d, generator=gen).cuda() * 3
+    gain = torch.rand(3, 2, d, generator=gen).cuda() + 0.5
+    for cache in (fused, ref):
+        cache.set_key_transform(shift, gain)
+    inputs = []
+    for t, lengths in ((30, None), (23, [23, 1, 0]), (97, [97, 60, 2]), (1, None)):
+        k = shift[:, :, None] + torch.randn(3, 2, t, d, generator=gen).cuda()
+        v = torch.randn(3, 2, t, d, generator=gen).cuda()
+        _append(fused, ref, k.bfloat16(), v.bfloat16(), new_lengths=lengths)
+        inputs.append((ref.stored_keys(k.bfloat16()), v.bfloat16()))
+    assert torch.equal(fused.seen, ref.seen)
+    assert_same(fused, ref, inputs)
+
+
+def test_strided_inputs_and_static_overflow(gen):
+    """k, v as transformers makes them ([B, T, H, D] transposed: a row stride of H * D), a misaligned view (copied
+    first), and a static cache that runs out of room: only the slots that fit are written."""
+    codec = ta.KVCodec(128, 5, 4)
+    fused, ref = _pair(codec, 2, 4, gen, capacity=50, static=True)
+    inputs = []
+    for t in (33, 30):
+        k = torch.randn(2, t, 4, 128, generator=gen).cuda().bfloat16().transpose(1, 2)
+        v = torch.randn(2, t, 4, 129, generator=gen).cuda().bfloat16()[..., 1:].transpose(1, 2)
+        _append(fused, ref, k, v)
+        inputs.append((k, v))
+    assert bool(fused.overflowed) and bool(ref.overflowed)
+    assert_same(fused, ref, inputs)
+
+
+def test_non_finite_vectors_are_stored_as_nan_and_counted(gen):
+    codec = ta.KVCodec(128, 4, 4)
+    fused, ref = _pair(codec, 2, 2, gen, capacity=20)
+    k = torch.randn(2, 2, 9, 128, generator=gen).cuda()
+    v = torch.randn(2, 2, 9, 128, generator=gen).cuda()
+    k[0, 1, 3, 7] = float("nan")
+    v[1, 0, 8, 100] = float("inf")
+    k[1, 1, 0] = 1e30   # finite: coded at its own scale
+    _append(fused, ref, k, v)
+    assert fused.nonfinite.tolist() == ref.nonfinite.tolist() == [1, 1]
+    assert torch.isnan(fused.k_scales[0, 1, 3]).all() and torch.isnan(fused.v_scales[1, 0, 8]).all()
+    assert int(fused.k_codes[0, 1, 3].count_nonzero()) == 0
+    finite = ~torch.isnan(ref.k_scales)
+    assert torch.equal(torch.isnan(fused.k_scales), torch.isnan(ref.k_scales))
+    rel = (fused.k_scales[finite] - ref.k_scales[finite]).abs() / ref.k_scales[finite].abs().clamp_min(1e-30)
+    assert float(rel.max()) < 0.05
+
+
+def test_decode_step_is_graph_capturable(gen):
+    """One token per step, replayed as a CUDA graph: the kernel reads the slot from the device lengths."""
+    codec = ta.KVCodec(128, 4, 4)
+    fused, ref = _pair(codec, 2, 8, gen, capacity=64, static=True)
+    k_in = torch.zeros(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    v_in = torch.zeros_like(k_in)
+    fused.append(k_in, v_in)   # warm up outside the capture
+    ref.append(k_in, v_in, backend="torch")
+    inputs = [(k_in.clone(), v_in.clone())]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.append(k_in, v_in)
+    for _ in range(5):
+        k_in.copy_(torch.randn(2, 8, 1, 128, generator=gen).cuda())
+        v_in.copy_(torch.randn(2, 8, 1, 128, generator=gen).cuda())
+        graph.replay()
+        ref.append(k_in, v_in, backend="torch")
+        inputs.append((k_in.clone(), v_in.clone()))
+    assert_same(fused, ref, inputs)
