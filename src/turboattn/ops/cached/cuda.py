@@ -62,7 +62,8 @@ def build_extension() -> bool:
 
 @lru_cache(maxsize=None)
 def _capable(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    """Whether `device` is a GPU the kernel runs on (sm_80 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -70,7 +71,7 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     (config.cuda_kernel_serves) and the GPU.  Every storage option of the format is read (either scale dtype,
     exact rows)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return q.is_cuda and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device)
+    return cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and _capable(q.device)
 
 
 @lru_cache(maxsize=None)
