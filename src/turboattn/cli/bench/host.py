@@ -87,22 +87,28 @@ def stubbed_gpu_path(wrap=lambda name, fn: fn):
     from ...ops import backend
     from ...ops.cached import cuda
     from ...ops.quantize import triton as quantize_triton
-    registry = {op: dict(backend._REGISTRY[op]) for op in ("cached_attention", "quantize_append")}
-    for op, name in (("cached_attention", "cuda"), ("quantize_append", "triton")):
-        impl = registry[op][name]
-        registry[op][name] = dataclasses.replace(impl, devices=(*impl.devices, "cpu"))
-    patches = [(backend, "_REGISTRY", {**backend._REGISTRY, **registry}),
-               (cuda, "_extension", lambda: _StubExtension), (cuda, "_capable", lambda device: True),
+    saved = [backend._REGISTRY[op][name] for op, name in (("cached_attention", "cuda"), ("quantize_append", "triton"))]
+    patches = [(cuda, "_extension", lambda: _StubExtension), (cuda, "_capable", lambda device: True),
                (quantize_triton, "_quantize_append_kernel", _StubKernel()),
                (cuda, "cached_attention_cuda", wrap("cuda wrapper", cuda.cached_attention_cuda)),
                (quantize_triton, "quantize_append_triton",
                 wrap("triton append wrapper", quantize_triton.quantize_append_triton))]
-    backend.load.cache_clear()
     try:
+        for impl in saved:
+            _register(dataclasses.replace(impl, devices=(*impl.devices, "cpu")))
+        backend.load.cache_clear()
         with _patched(patches):
             yield
     finally:
+        for impl in saved:
+            _register(impl)
         backend.load.cache_clear()
+
+
+def _register(impl) -> None:
+    from ...ops import backend
+    backend.register(impl.op, impl.name, impl.target, priority=impl.priority, devices=impl.devices,
+                     requires=impl.requires, head_dims=impl.head_dims)
 
 
 def _model(layers: int, head_dim: int):
