@@ -9,7 +9,7 @@ import torch
 
 from .cache import QuantizedKVCache
 from .format.codec import check_attention_dtype
-from .ops.library import run
+from .ops.library import run, run_cached_attention
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode
 
@@ -119,22 +119,17 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
     layout = cache.layout
     if plan is not None:
-        plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
-    elif cache.is_static:
-        # The op plans for the capacity ([] or [num_splits], ops/library.py): the same plan every step, where the
-        # lengths held now would be a host read that changes every step.
-        plan_list = [] if num_splits is None else [num_splits]
-    else:
+        if num_splits is not None:
+            plan = replace(plan, num_splits=num_splits)
+    elif not cache.is_static:
         rows = tq * (hq // cache.num_kv_heads)
-        plan_list = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
-                                min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
-                                exact_rows=layout.has_exact_rows).to_list()
-    return run(
-        "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
-        layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
-        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan_list, layout.merge_counters,
-        layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first,
-        impl)
+        plan = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
+                           min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
+                           exact_rows=layout.has_exact_rows)
+    # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every
+    # step, where the lengths held now would be a host read that changes every step.
+    return run_cached_attention(q, layout, k, v, sinks, cache.codec.k_bits, cache.codec.v_bits, _float(scale),
+                                _float(softcap), plan, num_splits, impl)
 
 
 def _float(x):

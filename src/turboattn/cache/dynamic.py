@@ -56,7 +56,7 @@ from ..format.key_transform import check_key_transform, from_stored_keys, to_sto
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops.backend import check_backend, choose
 from ..ops.device_tables import allocate_device_tables
-from ..ops.library import run
+from ..ops.library import run_quantize_append
 
 
 def _is_int(x) -> bool:
@@ -536,9 +536,8 @@ class QuantizedKVCache:
             # The slots left, computed on the device: the kernels write only the tokens that fit.
             room = (self.capacity - self.seen).clamp(min=0, max=t)
             n_dev = room if n_dev is None else torch.minimum(n_dev, room)
-        run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
-            self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
-            self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)
+        run_quantize_append(k, v, self.layout, n_dev, self.codec.k_bits, self.codec.v_bits, self.codec.scale_rule,
+                            impl)
         if self.exact_recent:
             self._append_recent(k, v, new_lengths, n)
         if self.exact_first:
