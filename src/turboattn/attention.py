@@ -38,6 +38,8 @@ def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) ->
         if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
                                   and math.isfinite(x) and x > 0):
             raise ValueError(f"{name} must be a positive finite float or None, got {x!r}")
+    if sinks is None and alibi_slopes is None:
+        return
     for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
         if t is None:
             continue
@@ -92,9 +94,10 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if hq % cache.num_kv_heads != 0:
         raise ValueError(f"q has {hq} heads: query heads ({hq}) must be a multiple of the cache's KV heads "
                          f"({cache.num_kv_heads})")
-    if q.device != cache.device:
-        raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
-    if q.device.type == "meta":
+    device = q.device
+    if device != cache.device:
+        raise ValueError(f"q is on {device} but the cache is on {cache.device}")
+    if device.type == "meta":
         raise ValueError("q is a meta tensor (a shape without data): cached_attention reads the cache's values")
     if (k is None) != (v is None):
         raise ValueError("pass both fresh k and v, or neither")
@@ -104,7 +107,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
             raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
-    _check_options(hq, q.device, scale, softcap, sinks)
+    _check_options(hq, device, scale, softcap, sinks)
     if cache.has_key_shift and (softcap is not None or sinks is not None):
         raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
                          "would see; fit it with center=False for such models")
@@ -116,14 +119,14 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
 
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
-    impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
+    impl = choose("cached_attention", backend, device, cache.codec.head_dim)
     layout = cache.layout
     if plan is not None:
         if num_splits is not None:
             plan = replace(plan, num_splits=num_splits)
     elif not cache.is_static:
         rows = tq * (hq // cache.num_kv_heads)
-        plan = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
+        plan = plan_decode(device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
                            min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
                            exact_rows=layout.has_exact_rows)
     # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every

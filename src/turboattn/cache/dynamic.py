@@ -490,14 +490,15 @@ class QuantizedKVCache:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
             check_attention_dtype(label, t)
-            if t.device != self.device:
-                raise ValueError(f"{label} is on {t.device} but the cache is on {self.device}")
-            if t.device.type == "meta":
+            device = t.device
+            if device != self.device:
+                raise ValueError(f"{label} is on {device} but the cache is on {self.device}")
+            if device.type == "meta":
                 raise ValueError(f"{label} is a meta tensor (a shape without data): the cache stores values")
-        want = (self.batch_size, self.num_kv_heads)
-        if k.dim() != 4 or tuple(k.shape[:2]) != want or k.shape[3] != self.codec.head_dim or k.shape[2] < 1:
-            raise ValueError(f"{name}: k must be [B={want[0]}, Hkv={want[1]}, T>=1, D={self.codec.head_dim}], "
-                             f"got {tuple(k.shape)}")
+        shape, b, hkv, d = k.shape, self.batch_size, self.num_kv_heads, self.codec.head_dim
+        if len(shape) != 4 or shape[0] != b or shape[1] != hkv or shape[3] != d or shape[2] < 1:
+            raise ValueError(f"{name}: k must be [B={b}, Hkv={hkv}, T>=1, D={d}], "
+                             f"got {tuple(shape)}")
         if v.shape != k.shape:
             raise ValueError(f"{name}: v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
         if v.dtype != k.dtype:
@@ -523,8 +524,16 @@ class QuantizedKVCache:
         """
         check_backend(backend)
         self.check_kv(k, v, "append")
+        self._append(k, v, new_lengths, self._new_lengths(new_lengths, k.shape[2]), backend)
+
+    def _append_validated(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step
+        of the transformers integration validates its new tokens once, not twice."""
+        self._append(k, v, None, [k.shape[2]] * self.batch_size, "auto")
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int], backend: str) -> None:
+        """append's work, its arguments checked; n: new_lengths as host ints (all T when None)."""
         t = k.shape[2]
-        n = self._new_lengths(new_lengths, t)
         if not self.is_ring and not self.is_static:
             worst = max(s + x for s, x in zip(self._seen_host, n))
             if worst > self.capacity:

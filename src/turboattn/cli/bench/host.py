@@ -15,7 +15,8 @@ Each piece is timed where the model calls it, between the model's own code (a lo
 runs it about twice as fast, its code and data hot in the CPU's caches); µs per layer and step, medians:
 - `layer step`: TurboQuantLayer.update plus the "turboattn" attention function: everything turboattn does;
 - `cached_attention`: the step's ta.cached_attention call, of which `cuda wrapper` is the kernel's wrapper;
-- `append`: the step's QuantizedKVCache.append, of which `triton append wrapper` is the kernel's wrapper;
+- `store`: the step's TurboQuantLayer.store (the cache's append), of which `triton append wrapper` is the kernel's
+  wrapper;
 - `glue`: the layer step less the two calls (the handoff, the cache layer's checks, the output's layout).
 `--profile` prints cProfile's busiest functions of turboattn over the decode steps.
 """
@@ -37,7 +38,7 @@ from ..args import positive_int, preset
 from .args import add_out
 from .common import print_table, write_results
 
-PIECES = ("layer step", "cached_attention", "cuda wrapper", "append", "triton append wrapper", "glue")
+PIECES = ("layer step", "cached_attention", "cuda wrapper", "store", "triton append wrapper", "glue")
 
 
 def add_arguments(parser) -> None:
@@ -151,7 +152,7 @@ class _Timers:
         # A layer step is an update and an attention call, back to back in every attention module.
         steps = [u + a for u, a in zip(s.pop("update"), s.pop("attention"))]
         s["layer step"] = steps
-        s["glue"] = [x - c - p for x, c, p in zip(steps, s["cached_attention"], s["append"])]
+        s["glue"] = [x - c - p for x, c, p in zip(steps, s["cached_attention"], s["store"])]
         return {name: 1e6 * statistics.median(s[name]) for name in PIECES}
 
 
@@ -160,12 +161,11 @@ def _timed_model(timers: _Timers):
     """Inside: the model's calls of turboattn are timed into `timers` (stubbed_gpu_path wraps the kernel wrappers)."""
     from transformers import AttentionInterface
 
-    from ...cache import QuantizedKVCache
     from ...integrations import hf
     timers.samples.update(update=[], attention=[])
     patches = [(hf.TurboQuantLayer, "update", timers.wrap("update", hf.TurboQuantLayer.update)),
                (hf, "cached_attention", timers.wrap("cached_attention", hf.cached_attention)),
-               (QuantizedKVCache, "append", timers.wrap("append", QuantizedKVCache.append))]
+               (hf.TurboQuantLayer, "store", timers.wrap("store", hf.TurboQuantLayer.store))]
     AttentionInterface.register(hf.ATTN_NAME, timers.wrap("attention", hf.turboattn_attention))
     try:
         with _patched(patches):
