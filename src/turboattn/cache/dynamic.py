@@ -154,6 +154,9 @@ class QuantizedKVCache:
         # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
         self._seen_host: list[int] | None = None if static else [0] * batch_size
         self._empty = True
+        # A host bound on `starts` (every edit of starts raises it or keeps it valid): once each sequence of a growing
+        # cache holds its first exact_first real tokens, an append can write no first-token row, and skips the copy.
+        self._starts_bound = 0
         self.key_shift: torch.Tensor | None = None
         self.key_gain: torch.Tensor | None = None
         self.key_gain_inv: torch.Tensor | None = None   # 1 / gain, what the kernels multiply q by
@@ -259,6 +262,7 @@ class QuantizedKVCache:
             t.zero_()
         self.seen.zero_()
         self.starts.zero_()
+        self._starts_bound = 0
         self.nonfinite.zero_()
         if not self.is_static:
             self._seen_host = [0] * self.batch_size
@@ -322,6 +326,7 @@ class QuantizedKVCache:
             raise ValueError("set_left_padding on a cache with exact_first needs an empty cache (reset() first): "
                              "the exact first-token rows are indexed from the padding")
         self.starts.copy_(torch.tensor(pad, dtype=torch.int32, device=self.device))
+        self._starts_bound = max(pad)
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by each slot [B, N] (int64); -1 for empty or padding slots."""
@@ -388,6 +393,7 @@ class QuantizedKVCache:
             floor = [s_new - self.sliding_window + 1 if s > self.sliding_window and s_new < s else 0
                      for s, s_new in zip(old, new)]
             self.starts.clamp_(min=torch.tensor(floor, dtype=torch.int32, device=self.device))
+            self._starts_bound = max(self._starts_bound, *floor)
         self.seen.copy_(new_dev)
         if not self.is_static:
             self._seen_host = new
@@ -549,7 +555,7 @@ class QuantizedKVCache:
                             impl)
         if self.exact_recent:
             self._append_recent(k, v, new_lengths, n)
-        if self.exact_first:
+        if self.exact_first and not self._first_rows_full():
             self._append_first(k, v, new_lengths, n)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
@@ -594,6 +600,12 @@ class QuantizedKVCache:
         put = row[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
         for ring, x in ((self.recent_k, k), (self.recent_v, v)):
             ring.scatter_(2, put, x.gather(2, take).to(self.exact_dtype))
+
+    def _first_rows_full(self) -> bool:
+        """Whether no append can write a first-token row: every sequence of a growing cache holds positions up to
+        starts + exact_first already (row j takes position starts + j only while it is >= seen).  A static cache
+        cannot tell without a sync: its appends always make the (masked) copy."""
+        return not self.is_static and min(self._seen_host) >= self._starts_bound + self.exact_first
 
     def _append_first(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
         """Copy the real tokens at positions starts + j (j < S) into first-token row j (before `seen` moves).

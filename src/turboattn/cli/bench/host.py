@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from ..args import positive_int, preset
+from ..args import non_negative_int, positive_int, preset
 from .args import add_out
 from .common import print_table, write_results
 
@@ -48,7 +48,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences")
     parser.add_argument("--steps", type=positive_int, default=200, help="decode steps timed")
     parser.add_argument("--bits", type=preset, default="k4v4", help="bits of the cache")
-    parser.add_argument("--exact-recent", type=int, default=0, help="TurboQuantCache(exact_recent=)")
+    parser.add_argument("--exact-recent", type=non_negative_int, default=0, help="TurboQuantCache(exact_recent=)")
+    parser.add_argument("--exact-first", type=non_negative_int, default=0, help="TurboQuantCache(exact_first=)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's busiest turboattn functions")
 
 
@@ -202,7 +203,8 @@ def run(args) -> int:
     k_bits, v_bits = args.bits
 
     def new_cache():
-        return TurboQuantCache(model.config, k_bits, v_bits, exact_recent=args.exact_recent)
+        return TurboQuantCache(model.config, k_bits, v_bits, exact_recent=args.exact_recent,
+                               exact_first=args.exact_first)
     timers = _Timers()
     with stubbed_gpu_path(timers.wrap), _timed_model(timers):
         _decode(model, new_cache(), args.batch, 3)   # warm-up: plans, tables, imports
@@ -215,8 +217,9 @@ def run(args) -> int:
         print(f"cProfile of {args.steps} decode steps x {args.layers} layers, turboattn's functions:")
         pstats.Stats(profiler).sort_stats("tottime").print_stats("turboattn", 30)
     shape = f"B={args.batch} Hq=8 Hkv=2 D={args.head_dim} k{k_bits}v{v_bits}"
-    if args.exact_recent:
-        shape += f" exact_recent={args.exact_recent}"
+    for option in ("exact_recent", "exact_first"):
+        if getattr(args, option):
+            shape += f" {option}={getattr(args, option)}"
     print_table(f"host µs per layer and decode step, kernels stubbed ({shape}, {platform.machine()} CPU)",
                 ["piece", "µs"], [[name, results[name]] for name in PIECES])
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
