@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from numbers import Integral
+from operator import add
 
 import torch
 
@@ -541,7 +542,7 @@ class QuantizedKVCache:
         """append's work, its arguments checked; n: new_lengths as host ints (all T when None)."""
         t = k.shape[2]
         if not self.is_ring and not self.is_static:
-            worst = max(s + x for s, x in zip(self._seen_host, n))
+            worst = max(map(add, self._seen_host, n))
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
@@ -564,7 +565,7 @@ class QuantizedKVCache:
         if self.is_static:
             self._empty = False
         else:
-            self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
+            self._seen_host = list(map(add, self._seen_host, n))
 
     def _append_recent(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
         """Copy the last min(T, R) real tokens of each sequence into the exact window (before `seen` moves).
