@@ -176,6 +176,8 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         # gather) at D = 64 with 64-row tiles: illegal shared-memory reads or NaN on an H200
         # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
         lookup = "gather"
+    if torch.compiler.is_compiling():   # traced: a plan built in the graph, not a cache lookup traced through
+        return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup)
     # A growing cache asks with a new max_tokens every step (a miss above) for one of a few plans: the plan
     # objects are shared, so a miss builds and validates none.
     return _plan_from_tuple((block_m, block_n, num_warps, num_stages, num_splits, LOOKUPS.index(lookup)))
