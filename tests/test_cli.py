@@ -89,7 +89,8 @@ def test_info_prints_plain_text_without_rich(monkeypatch, capsys):
     assert "k_bits" in out and "136 B  3.76x" in out  # k4v4 at D=128
 
 
-BENCH_SUITES = ("decode", "quantize", "prefill", "decode-sweep", "key-transform", "sanitize-cases", "generate")
+BENCH_SUITES = ("decode", "quantize", "prefill", "decode-sweep", "key-transform", "sanitize-cases", "generate",
+                "host")
 
 
 def test_bench_lists_its_suites(capsys):
@@ -143,6 +144,24 @@ def test_bench_arguments_parse():
                                                               tma=True, warp_specialize=True)
     assert parse_config("m64n32w8s2", "prefill")["tma"] is False   # pointer loads, not the default's TMA
     assert parse_config("n16w4s2sp198", "decode") == dict(BLOCK_N=16, num_warps=4, num_stages=2, splits=198)
+
+
+def test_bench_host_runs_anywhere(tmp_path, capsys, wide):
+    """The host-overhead bench stubs the kernels out, so it runs on a CPU; and it leaves the backends as they were."""
+    import json
+
+    import torch
+
+    from turboattn.cli.bench.host import PIECES
+    from turboattn.ops.backend import choose, load
+    assert cli.main(["bench", "host", "--layers", "1", "--steps", "2", "--head-dim", "64", "--out",
+                     str(tmp_path)]) == 0
+    us = json.loads((tmp_path / "host.json").read_text())["us"]
+    assert set(us) == set(PIECES) and all(us[name] > 0 for name in PIECES if name != "glue")
+    assert "cuda wrapper" in capsys.readouterr().out
+    cpu = torch.device("cpu")
+    assert choose("cached_attention", "auto", cpu, 64) == "torch" and choose("quantize_append", "auto", cpu, 64) == "torch"
+    assert load("cached_attention", "cuda").__name__ == "cached_attention_cuda"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without a GPU")

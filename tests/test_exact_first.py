@@ -219,6 +219,30 @@ def test_crop_below_the_first_tokens_hides_their_rows_until_appended_again(gen):
     assert torch.equal(fresh.first_k, cache.first_k) and torch.equal(fresh.first_v, cache.first_v)
 
 
+def test_growing_cache_skips_the_first_rows_copy_only_when_no_row_can_change(gen, tmp_path):
+    """A growing cache's appends skip the first-token copy once every sequence holds starts + S tokens (a host
+    bound on starts); a static cache always makes it.  Through single-token steps with left padding, a crop below
+    starts + S, a save and load in that state and more steps, both hold the same rows."""
+    codec = ta.KVCodec(64, 4, 4)
+    growing, static = (_cache(codec, 2, 1, 4, capacity=32, pad=[3, 1], static=s, exact_dtype=torch.float32)
+                       for s in (False, True))
+
+    def steps(caches, n):
+        for _ in range(n):
+            k, v = torch.randn(2, 1, 1, 64, generator=gen), torch.randn(2, 1, 1, 64, generator=gen)
+            for c in caches:
+                c.append(k, v, backend="torch")
+            for c in caches[1:]:
+                assert torch.equal(c.first_k, caches[0].first_k) and torch.equal(c.first_v, caches[0].first_v)
+    steps([static, growing], 9)
+    assert growing._first_rows_full()
+    for c in (growing, static):
+        c.crop(5)   # sequence 0 (starts 3) now holds 2 of its 4 first tokens
+    assert not growing._first_rows_full()
+    growing.save(tmp_path / "c.safetensors")
+    steps([static, ta.QuantizedKVCache.load(tmp_path / "c.safetensors"), growing], 4)
+    assert torch.count_nonzero(growing.first_k[0]) == growing.first_k[0].numel()   # rows 2, 3 written again
+
 def test_batch_edits_reset_and_repeat(gen):
     codec = ta.KVCodec(64, 4, 4)
     check_batch_edits_follow(gen, lambda static: _cache(codec, 2, 1, 4, capacity=16, static=static), "first_k", "first_v")

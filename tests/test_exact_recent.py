@@ -163,6 +163,19 @@ def test_window_rows_hold_the_newest_tokens_exactly(gen):
                     assert torch.equal(cache.recent_v[s, :, r], vs[s][p].to(torch.bfloat16))
 
 
+
+def test_all_real_appends_fill_the_window_as_ragged_ones_do(gen):
+    """An append without new_lengths (every decode step: a shorter path, no gather or masks) leaves the window as
+    the same append with new_lengths = T does: chunks longer than R, shorter, single tokens, a ring wrapping."""
+    codec = ta.KVCodec(64, 4, 4)
+    for window in (None, 11):
+        plain, ragged = (_cache(codec, 2, 2, 5, window) for _ in range(2))
+        for t in (7, 1, 3, 1, 5, 1, 1):
+            k, v = (torch.randn(2, 2, t, 64, generator=gen) for _ in range(2))
+            plain.append(k, v, backend="torch")
+            ragged.append(k, v, new_lengths=[t, t], backend="torch")
+            assert torch.equal(plain.recent_k, ragged.recent_k) and torch.equal(plain.recent_v, ragged.recent_v)
+
 # -- state operations ---------------------------------------------------------------------------------------------
 def test_options_are_checked():
     codec = ta.KVCodec(64, 4, 4)

@@ -160,6 +160,7 @@ def test_a_new_implementation_is_one_registration(monkeypatch):
         assert torch.equal(ta.flash_attention(q, q, q), ta.flash_attention(q, q, q, backend="torch"))
     finally:
         backend.load.cache_clear()
+        backend._auto.cache_clear()   # "auto" decisions are cached; monkeypatch restores the registry behind them
 
 
 def test_decode_plan_round_trips_and_validates():

@@ -9,7 +9,7 @@ import torch
 
 from .cache import QuantizedKVCache
 from .format.codec import check_attention_dtype
-from .ops.library import run
+from .ops.library import run, run_cached_attention
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode
 
@@ -38,6 +38,8 @@ def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) ->
         if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
                                   and math.isfinite(x) and x > 0):
             raise ValueError(f"{name} must be a positive finite float or None, got {x!r}")
+    if sinks is None and alibi_slopes is None:
+        return
     for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
         if t is None:
             continue
@@ -92,9 +94,10 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     if hq % cache.num_kv_heads != 0:
         raise ValueError(f"q has {hq} heads: query heads ({hq}) must be a multiple of the cache's KV heads "
                          f"({cache.num_kv_heads})")
-    if q.device != cache.device:
-        raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
-    if q.device.type == "meta":
+    device = q.device
+    if device != cache.device:
+        raise ValueError(f"q is on {device} but the cache is on {cache.device}")
+    if device.type == "meta":
         raise ValueError("q is a meta tensor (a shape without data): cached_attention reads the cache's values")
     if (k is None) != (v is None):
         raise ValueError("pass both fresh k and v, or neither")
@@ -104,7 +107,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
             raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
-    _check_options(hq, q.device, scale, softcap, sinks)
+    _check_options(hq, device, scale, softcap, sinks)
     if cache.has_key_shift and (softcap is not None or sinks is not None):
         raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
                          "would see; fit it with center=False for such models")
@@ -116,25 +119,20 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
 
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
-    impl = choose("cached_attention", backend, q.device, cache.codec.head_dim)
+    impl = choose("cached_attention", backend, device, cache.codec.head_dim)
     layout = cache.layout
     if plan is not None:
-        plan_list = (plan if num_splits is None else replace(plan, num_splits=num_splits)).to_list()
-    elif cache.is_static:
-        # The op plans for the capacity ([] or [num_splits], ops/library.py): the same plan every step, where the
-        # lengths held now would be a host read that changes every step.
-        plan_list = [] if num_splits is None else [num_splits]
-    else:
+        if num_splits is not None:
+            plan = replace(plan, num_splits=num_splits)
+    elif not cache.is_static:
         rows = tq * (hq // cache.num_kv_heads)
-        plan_list = plan_decode(q.device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
-                                min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
-                                exact_rows=layout.has_exact_rows).to_list()
-    return run(
-        "cached_attention", q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
-        layout.starts, k, v, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks, layout.sliding_window,
-        cache.codec.k_bits, cache.codec.v_bits, _float(scale), _float(softcap), plan_list, layout.merge_counters,
-        layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first,
-        impl)
+        plan = plan_decode(device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
+                           min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
+                           exact_rows=layout.has_exact_rows)
+    # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every
+    # step, where the lengths held now would be a host read that changes every step.
+    return run_cached_attention(q, layout, k, v, sinks, cache.codec.k_bits, cache.codec.v_bits, _float(scale),
+                                _float(softcap), plan, num_splits, impl)
 
 
 def _float(x):

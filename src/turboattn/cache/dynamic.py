@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from numbers import Integral
+from operator import add
 
 import torch
 
@@ -56,7 +57,7 @@ from ..format.key_transform import check_key_transform, from_stored_keys, to_sto
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops.backend import check_backend, choose
 from ..ops.device_tables import allocate_device_tables
-from ..ops.library import run
+from ..ops.library import run_quantize_append
 
 
 def _is_int(x) -> bool:
@@ -154,6 +155,9 @@ class QuantizedKVCache:
         # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
         self._seen_host: list[int] | None = None if static else [0] * batch_size
         self._empty = True
+        # A host bound on `starts` (every edit of starts raises it or keeps it valid): once each sequence of a growing
+        # cache holds its first exact_first real tokens, an append can write no first-token row, and skips the copy.
+        self._starts_bound = 0
         self.key_shift: torch.Tensor | None = None
         self.key_gain: torch.Tensor | None = None
         self.key_gain_inv: torch.Tensor | None = None   # 1 / gain, what the kernels multiply q by
@@ -259,6 +263,7 @@ class QuantizedKVCache:
             t.zero_()
         self.seen.zero_()
         self.starts.zero_()
+        self._starts_bound = 0
         self.nonfinite.zero_()
         if not self.is_static:
             self._seen_host = [0] * self.batch_size
@@ -322,6 +327,7 @@ class QuantizedKVCache:
             raise ValueError("set_left_padding on a cache with exact_first needs an empty cache (reset() first): "
                              "the exact first-token rows are indexed from the padding")
         self.starts.copy_(torch.tensor(pad, dtype=torch.int32, device=self.device))
+        self._starts_bound = max(pad)
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by each slot [B, N] (int64); -1 for empty or padding slots."""
@@ -388,6 +394,7 @@ class QuantizedKVCache:
             floor = [s_new - self.sliding_window + 1 if s > self.sliding_window and s_new < s else 0
                      for s, s_new in zip(old, new)]
             self.starts.clamp_(min=torch.tensor(floor, dtype=torch.int32, device=self.device))
+            self._starts_bound = max(self._starts_bound, *floor)
         self.seen.copy_(new_dev)
         if not self.is_static:
             self._seen_host = new
@@ -490,14 +497,15 @@ class QuantizedKVCache:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
             check_attention_dtype(label, t)
-            if t.device != self.device:
-                raise ValueError(f"{label} is on {t.device} but the cache is on {self.device}")
-            if t.device.type == "meta":
+            device = t.device
+            if device != self.device:
+                raise ValueError(f"{label} is on {device} but the cache is on {self.device}")
+            if device.type == "meta":
                 raise ValueError(f"{label} is a meta tensor (a shape without data): the cache stores values")
-        want = (self.batch_size, self.num_kv_heads)
-        if k.dim() != 4 or tuple(k.shape[:2]) != want or k.shape[3] != self.codec.head_dim or k.shape[2] < 1:
-            raise ValueError(f"{name}: k must be [B={want[0]}, Hkv={want[1]}, T>=1, D={self.codec.head_dim}], "
-                             f"got {tuple(k.shape)}")
+        shape, b, hkv, d = k.shape, self.batch_size, self.num_kv_heads, self.codec.head_dim
+        if len(shape) != 4 or shape[0] != b or shape[1] != hkv or shape[3] != d or shape[2] < 1:
+            raise ValueError(f"{name}: k must be [B={b}, Hkv={hkv}, T>=1, D={d}], "
+                             f"got {tuple(shape)}")
         if v.shape != k.shape:
             raise ValueError(f"{name}: v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
         if v.dtype != k.dtype:
@@ -523,22 +531,29 @@ class QuantizedKVCache:
         """
         check_backend(backend)
         self.check_kv(k, v, "append")
+        self._append(k, v, new_lengths, self._new_lengths(new_lengths, k.shape[2]), backend)
+
+    def _append_validated(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step
+        of the transformers integration validates its new tokens once, not twice."""
+        self._append(k, v, None, [k.shape[2]] * self.batch_size, "auto")
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int], backend: str) -> None:
+        """append's work, its arguments checked; n: new_lengths as host ints (all T when None)."""
         t = k.shape[2]
-        n = self._new_lengths(new_lengths, t)
         if not self.is_ring and not self.is_static:
-            worst = max(s + x for s, x in zip(self._seen_host, n))
+            worst = max(map(add, self._seen_host, n))
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
         impl = choose("quantize_append", backend, k.device, self.codec.head_dim)
         # A static cache that runs out of room: the kernels write only the tokens that fit (slot < capacity).
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
-        run("quantize_append", k, v, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen,
-            self.starts, n_dev, self.key_shift, self.key_gain, self.sliding_window, self.codec.k_bits,
-            self.codec.v_bits, self.codec.scale_rule, self.nonfinite, impl)
+        run_quantize_append(k, v, self.layout, n_dev, self.codec.k_bits, self.codec.v_bits, self.codec.scale_rule,
+                            impl)
         if self.exact_recent:
             self._append_recent(k, v, new_lengths, n)
-        if self.exact_first:
+        if self.exact_first and not self._first_rows_full():
             self._append_first(k, v, new_lengths, n)
         if new_lengths is None:
             self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
@@ -547,26 +562,34 @@ class QuantizedKVCache:
         if self.is_static:
             self._empty = False
         else:
-            self._seen_host = [s + x for s, x in zip(self._seen_host, n)]
+            self._seen_host = list(map(add, self._seen_host, n))
 
     def _append_recent(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
         """Copy the last min(T, R) real tokens of each sequence into the exact window (before `seen` moves).
 
-        One gather and one scatter per tensor, positions from the device `seen` (no sync): token j of
-        sequence b (position seen[b] + j) goes to row (seen[b] + j) % R when it is among the last R of
-        the n[b] real ones, else to the scratch row R.  The real writes of a sequence are at most R
+        One scatter per tensor (and a gather with ragged new_lengths), positions from the device `seen` (no
+        sync): token j of sequence b (position seen[b] + j) goes to row (seen[b] + j) % R when it is among the
+        last R of the n[b] real ones, else to the scratch row R.  The real writes of a sequence are at most R
         consecutive positions, so no two share a row.  All real tokens are kept, also those a static
         cache had no room to code (attention then still reads the newest R exactly)."""
         r_len, t = self.exact_recent, k.shape[2]
         width = min(t, r_len)
-        i = torch.arange(width, device=self.device)[None, :]                    # [1, width]
         if new_lengths is None:
-            j = i + (t - width)                                                 # all real
-            real = torch.ones_like(j, dtype=torch.bool)
-        else:
-            count = torch.tensor(n, dtype=torch.int64, device=self.device)[:, None]
-            j = count - width + i                                               # [B, width]
-            real = j >= 0
+            # All real (a decode step): the chunk's last `width` tokens, rows (seen + j) % R, j in [t - width, t);
+            # no gather, no masking: the same writes in a third of the small ops (each a launch on a GPU).
+            pos = self.seen.to(torch.int64).view(-1, 1)
+            if t > 1:
+                pos = pos + torch.arange(t - width, t, device=self.device)
+            put = torch.remainder(pos, r_len).view(self.batch_size, 1, width, 1).expand(-1, self.num_kv_heads, -1,
+                                                                                         self.codec.head_dim)
+            for ring, x in ((self.recent_k, k), (self.recent_v, v)):
+                x = x[:, :, t - width:] if width < t else x
+                ring.scatter_(2, put, x if x.dtype == self.exact_dtype else x.to(self.exact_dtype))
+            return
+        i = torch.arange(width, device=self.device)[None, :]                    # [1, width]
+        count = torch.tensor(n, dtype=torch.int64, device=self.device)[:, None]
+        j = count - width + i                                                   # [B, width]
+        real = j >= 0
         j = j.expand(self.batch_size, -1)
         real = real.expand(self.batch_size, -1)
         row = torch.where(real, torch.remainder(self.seen.to(torch.int64)[:, None] + j, r_len),
@@ -575,6 +598,12 @@ class QuantizedKVCache:
         put = row[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
         for ring, x in ((self.recent_k, k), (self.recent_v, v)):
             ring.scatter_(2, put, x.gather(2, take).to(self.exact_dtype))
+
+    def _first_rows_full(self) -> bool:
+        """Whether no append can write a first-token row: every sequence of a growing cache holds positions up to
+        starts + exact_first already (row j takes position starts + j only while it is >= seen).  A static cache
+        cannot tell without a sync: its appends always make the (masked) copy."""
+        return not self.is_static and min(self._seen_host) >= self._starts_bound + self.exact_first
 
     def _append_first(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
         """Copy the real tokens at positions starts + j (j < S) into first-token row j (before `seen` moves).

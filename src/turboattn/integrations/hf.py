@@ -233,18 +233,22 @@ class TurboQuantLayer(CacheLayerMixin):
             self.store(k, v)
             return cached_attention(q, cache, scale=scale, softcap=softcap, sinks=sinks)
         out = cached_attention(q, cache, k, v, scale=scale, softcap=softcap, sinks=sinks)
-        self.store(k, v)
+        self.store(k, v, validated=True)
         return out
 
-    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor, validated: bool = False) -> None:
         """Quantize k, v [B, Hkv, T, D] into this layer's cache, growing it unless it is static (a static
-        cache stores what fits and flags the rest: QuantizedKVCache.overflowed)."""
+        cache stores what fits and flags the rest: QuantizedKVCache.overflowed).  validated: cached_attention
+        has just checked k, v against this cache."""
         cache = self.cache
         if not cache.is_static and not cache.is_ring:
             need = cache.max_seen + k.shape[2]
             if need > cache.capacity:
                 cache.reserve(max(need, 2 * cache.capacity))  # doubling keeps the copies amortized O(1) per token
-        cache.append(k, v)
+        if validated:
+            cache._append_validated(k, v)
+        else:
+            cache.append(k, v)
 
     def _start_sequences(self, padding_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
         """Read left padding from the first chunk's 2-D mask; return the keep-mask for flash_attention (None

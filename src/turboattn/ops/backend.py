@@ -41,6 +41,7 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {}
 def register(op: str, name: str, target: str, *, priority: int, devices: tuple[str, ...],
              requires: tuple[str, ...] = (), head_dims: tuple[int, ...] | None = None) -> None:
     _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires, head_dims)
+    _auto.cache_clear()
 
 
 def implementations(op: str) -> list[Implementation]:
@@ -68,14 +69,12 @@ def check_backend(backend: str) -> None:
 def choose(op: str, backend: str, device: torch.device, head_dim: int | None = None) -> str:
     """The implementation name that serves `op` for tensors on `device` with this head_dim (None: any)
     (host only: no tensor is read)."""
-    check_backend(backend)
     if backend == "auto":
-        for impl in implementations(op):
-            if ((device.type in impl.devices or "*" in impl.devices) and impl.serves(head_dim)
-                    and all(importable(m) for m in impl.requires)):
-                return impl.name
-        # torch covers every device and head dim
-        raise RuntimeError(f"no implementation of {op} supports device {device} with head_dim={head_dim}")
+        name = _auto(op, device.type, head_dim)
+        if name is None:  # torch covers every device and head dim
+            raise RuntimeError(f"no implementation of {op} supports device {device} with head_dim={head_dim}")
+        return name
+    check_backend(backend)
     impl = _REGISTRY[op].get(backend)
     if impl is None:
         raise ValueError(f"{op} has no {backend!r} implementation; registered: {sorted(_REGISTRY[op])}")
@@ -89,6 +88,16 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
     return impl.name
+
+
+@lru_cache(maxsize=None)  # every layer of every decode step asks (register() clears it)
+def _auto(op: str, device_type: str, head_dim: int | None) -> str | None:
+    """The name of the best implementation of `op` that "auto" may send this device type and head_dim to."""
+    for impl in implementations(op):
+        if ((device_type in impl.devices or "*" in impl.devices) and impl.serves(head_dim)
+                and all(importable(m) for m in impl.requires)):
+            return impl.name
+    return None
 
 
 @lru_cache(maxsize=None)

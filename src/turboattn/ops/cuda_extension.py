@@ -54,5 +54,5 @@ def build_extension() -> bool:
 
 @lru_cache(maxsize=None)
 def capable(device: torch.device) -> bool:
-    """Whether the GPU runs the kernels (sm_80 or newer)."""
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    """Whether `device` is a GPU the kernels run on (sm_80 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)

@@ -1,4 +1,4 @@
-"""Launch facts shared by every op's config: the device's SM count and the one split-K rule."""
+"""Launch facts shared by every op's config: the device's SM count, the one split-K rule, and grid arithmetic."""
 
 from __future__ import annotations
 
@@ -13,6 +13,17 @@ INTERPRETER_SMS = 4
 @lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints.  The decode step's launchers use this rather than triton.cdiv, which is a
+    constexpr function in Triton 3.9 (about 2 µs a call on the host, a few calls per layer and step)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1): triton.next_power_of_2 without its host cost (see cdiv)."""
+    return 1 << (n - 1).bit_length()
 
 
 def sm_count(device: torch.device) -> int:

@@ -3,9 +3,11 @@ body that runs the implementation the caller chose (backend.choose) on plain ten
 
 Arguments are flat tensors and scalars (a cache's CacheLayout spelled out, a codec as its bits),
 so that torch.compile and CUDA graphs see the ops as opaque calls with known outputs.  The public
-functions (attention.py, cache/) validate, then call `run(op, ...)`: the torch op while
-torch.compile traces, and in eager mode the op's body directly, because the dispatcher's Python
-round trip costs ~25 µs per call, as much as a whole decode kernel at small batch.
+functions (attention.py, cache/) validate, then call `run(op, ...)` (or `run_cached_attention` /
+`run_quantize_append` with a cache's layout): the torch op while torch.compile traces, and in eager
+mode the op's body directly, because the dispatcher's Python round trip costs ~25 µs per call, as
+much as a whole decode kernel at small batch.  The eager path takes the layout as it is, not spelled
+out and rebuilt: a decode step calls both ops in every layer, and its host time is the user's.
 
 Every body runs under a device guard for its tensors' GPU (`_on`): a Triton launch takes the device
 and stream from torch's *current* device (triton.runtime.jit: driver.active.get_current_device()),
@@ -60,9 +62,27 @@ def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_
     nonfinite [B] int32 counts the vectors stored with a NaN or infinity."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      nonfinite=nonfinite)
-    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, k_scales.dtype)
+    _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl)
+
+
+def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int, v_bits: int,
+               scale_rule: str, impl: str) -> None:
+    """quantize_append's body on a layout."""
+    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, layout.k_scales.dtype)
     with _on(k.device):
         backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
+
+
+def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int,
+                        v_bits: int, scale_rule: str, impl: str) -> None:
+    """The quantize_append op on a cache's layout (the fields it reads spelled out under torch.compile)."""
+    if torch.compiler.is_compiling():
+        torch.ops.turboattn.quantize_append(
+            k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
+            new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, k_bits, v_bits, scale_rule,
+            layout.nonfinite, impl)
+    else:
+        _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl)
 
 
 quantize_append = torch.library.custom_op("turboattn::quantize_append", _quantize_append,
@@ -92,18 +112,47 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      key_gain_inv, key_shifted, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
                      exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first)
-    codec = _codec(q.shape[-1], k_bits, v_bits, scale_dtype=k_scales.dtype)
     if len(plan) > 1:
         decode_plan = DecodePlan.from_list(plan)
     else:
-        b, hq, tq, d = q.shape
-        hkv = layout.num_kv_heads
-        decode_plan = plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity,
-                                  plan[0] if plan else None, kernel=impl,
-                                  exact_rows=layout.has_exact_rows)
+        decode_plan = _capacity_plan(q, layout, k_bits, v_bits, plan[0] if plan else None, impl)
+    return _attend(q, layout, k, v, sinks, k_bits, v_bits, scale, softcap, decode_plan, impl)
+
+
+def _capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num_splits: int | None,
+                   impl: str) -> DecodePlan:
+    """The plan for the cache's capacity (a static cache's, the same every step)."""
+    b, hq, tq, d = q.shape
+    hkv = layout.num_kv_heads
+    return plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity, num_splits,
+                       kernel=impl, exact_rows=layout.has_exact_rows)
+
+
+def _attend(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, k_bits: int,
+            v_bits: int, scale: float | None, softcap: float | None, plan: DecodePlan, impl: str) -> Tensor:
+    """cached_attention's body on a layout and a plan."""
+    codec = _codec(q.shape[-1], k_bits, v_bits, scale_dtype=layout.k_scales.dtype)
     with _on(q.device):
         return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
-                                                      sinks=sinks, plan=decode_plan)
+                                                      sinks=sinks, plan=plan)
+
+
+def run_cached_attention(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
+                         k_bits: int, v_bits: int, scale: float | None, softcap: float | None,
+                         plan: DecodePlan | None, num_splits: int | None, impl: str) -> Tensor:
+    """The cached_attention op on a cache's layout (its fields spelled out under torch.compile).  plan None: the
+    op plans for the capacity with num_splits (None: chosen), as a static cache wants; otherwise plan is used."""
+    if torch.compiler.is_compiling():
+        plan_list = plan.to_list() if plan is not None else [] if num_splits is None else [num_splits]
+        return torch.ops.turboattn.cached_attention(
+            q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
+            layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks,
+            layout.sliding_window, k_bits, v_bits, scale, softcap, plan_list, layout.merge_counters,
+            layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v,
+            layout.exact_first, impl)
+    if plan is None:
+        plan = _capacity_plan(q, layout, k_bits, v_bits, num_splits, impl)
+    return _attend(q, layout, k, v, sinks, k_bits, v_bits, scale, softcap, plan, impl)
 
 
 cached_attention = torch.library.custom_op("turboattn::cached_attention", _cached_attention,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..format.rotation import hartley, odd_factor, walsh_hadamard
+from .launch import next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)   # host code reads LOG2E.value
 LN2 = tl.constexpr(0.6931471805599453)
@@ -32,6 +33,7 @@ def hadamard_tile(n: int, device: torch.device) -> torch.Tensor:
     return walsh_hadamard(torch.eye(m, dtype=torch.float32)).to(torch.float16).to(device)
 
 
+@lru_cache(maxsize=None)  # asked by every launch
 def padded_factor(head_dim: int) -> tuple[int, int]:
     """(m, m_pad): head_dim = P * m with m odd, and m_pad = next_power_of_2(m), the kernels' constexprs M, MP.
 
@@ -40,7 +42,7 @@ def padded_factor(head_dim: int) -> tuple[int, int]:
     For a power of two (m = 1) it is the plain layout.
     """
     m = odd_factor(head_dim)
-    return m, triton.next_power_of_2(m)
+    return m, next_power_of_2(m)
 
 
 def kron_width(m_pad: int) -> int:

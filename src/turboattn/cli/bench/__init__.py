@@ -1,4 +1,4 @@
-"""`turboattn bench <suite>`: GPU benchmarks against torch SDPA, tuning sweeps and sanitizer cases.
+"""`turboattn bench <suite>`: GPU benchmarks against torch SDPA, tuning sweeps, sanitizer cases, host overhead.
 
 One module per suite; each has `run(args)` and, for its own options, `add_arguments(parser)`.
 `turboattn bench <suite> --help` prints the module's description.
@@ -21,6 +21,7 @@ SUITES = {
     "key-transform": ("key_transform", "a decode step's cost with and without the key transform"),
     "sanitize-cases": ("sanitize", "small decode cases to run under compute-sanitizer"),
     "generate": ("generate", "end-to-end model.generate ms per token, turboattn vs transformers bf16"),
+    "host": ("host", "host time of turboattn per layer and decode step, kernels stubbed (runs on a CPU)"),
 }
 # The files each suite writes into --out (checked before the run: no GPU time is spent on results that
 # could not be saved).
@@ -31,6 +32,7 @@ OUTPUTS = {
     "decode-sweep": ("decode_sweep.json",),
     "key-transform": ("key_transform.json",),
     "generate": ("generate.json",),
+    "host": ("host.json",),
 }
 
 

@@ -86,6 +86,7 @@ def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int)
     return head_dim in CUDA_HEAD_DIMS and (k_bits, v_bits) in CUDA_BIT_PAIRS and query_rows <= CUDA_MAX_ROWS
 
 
+@lru_cache(maxsize=None)
 def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
     """CTAs per SM the CUDA kernel of this shape is built for: ctas_per_sm in csrc/decode.cuh, which is the
     truth (its launch bound); a GPU test checks that the two agree.  Shared memory, out of 228 KB: the byte -> fp16
@@ -175,4 +176,8 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         # gather) at D = 64 with 64-row tiles: illegal shared-memory reads or NaN on an H200
         # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
         lookup = "gather"
-    return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup)
+    if torch.compiler.is_compiling():   # traced: a plan built in the graph, not a cache lookup traced through
+        return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup)
+    # A growing cache asks with a new max_tokens every step (a miss above) for one of a few plans: the plan
+    # objects are shared, so a miss builds and validates none.
+    return _plan_from_tuple((block_m, block_n, num_warps, num_stages, num_splits, LOOKUPS.index(lookup)))

@@ -31,7 +31,7 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     (config.cuda_kernel_serves) and the GPU.  Every storage option of the format is read (either scale dtype,
     exact rows)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return q.is_cuda and cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(q.device)
+    return cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(q.device)
 
 
 @lru_cache(maxsize=None)
@@ -69,9 +69,12 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     q_scale = query_scale(d, scale, softcap)
     o_part, lse_part = part_buffers(q, hkv, num_parts)
     if k is not None:
-        # The kernel reads fresh k and v in q's dtype with one set of strides (unit stride along D).
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if k.stride() != v.stride() or k.stride(3) != 1:
+        # The kernel reads fresh k and v in q's dtype (attention.py requires it: no copy then) with one set of
+        # strides (unit stride along D).
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        strides = k.stride()
+        if strides != v.stride() or strides[3] != 1:
             k, v = k.contiguous(), v.contiguous()
     # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
     shifted = (k is not None or exact) and layout.has_key_transform and layout.key_shifted
@@ -83,12 +86,18 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     ext.decode(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-               layout.key_gain_inv if layout.has_key_transform else None, device_signs(d, dev),
-               device_centroids(codec.k_bits, dev, torch.float32), device_centroids(codec.v_bits, dev, torch.float32),
+               layout.key_gain_inv if layout.has_key_transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev),
                o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0, plan.num_splits,
                num_parts, layout.is_ring, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift,
                *recent, *first)
     return out
+
+
+@lru_cache(maxsize=None)
+def _tables(head_dim: int, k_bits: int, v_bits: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The kernel's read-only tables: the rotation's signs, the K and V centroids (float32); one lookup per call."""
+    return (device_signs(head_dim, device), device_centroids(k_bits, device, torch.float32),
+            device_centroids(v_bits, device, torch.float32))
 
 
 def _row_pair(rows_k: torch.Tensor, rows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,6 +54,7 @@ from ...format.rotation import device_signs, rotate
 from ..triton_lib import (LOG2E, finish_split, hadamard_tile, key_transform_rows, kron_rows, kron_tile,
                           load_padded_vector, merge_splits, online_softmax, padded_columns, padded_factor,
                           padded_mask, tanh)
+from ..launch import cdiv, next_power_of_2
 from .config import DecodePlan, check_kernel_head_dim, plan_decode
 from .lut import lut4_asm
 
@@ -435,7 +436,7 @@ def part_buffers(q: torch.Tensor, num_kv_heads: int, parts: int) -> tuple[torch.
     padded layout's columns: D for a power of two) and log2-sum-exp."""
     b, hq, tq, d = q.shape
     rows = tq * (hq // num_kv_heads)
-    width = triton.next_power_of_2(d)
+    width = next_power_of_2(d)
     o_part = torch.empty(b * num_kv_heads * parts * rows * width, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b * num_kv_heads * parts * rows, dtype=torch.float32, device=q.device)
     return o_part, lse_part
@@ -495,7 +496,7 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         fk = fv = q   # unused without exact first tokens
 
     rows = tq * group
-    row_blocks = triton.cdiv(rows, plan.block_m)
+    row_blocks = cdiv(rows, plan.block_m)
     k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
     m, m_pad = padded_factor(d)
     use_lut = plan.lookup == "lut" and m == 1   # the LUT reads the plain layout's contiguous bytes
@@ -531,7 +532,7 @@ def launch_merge(o_part: torch.Tensor, lse_part: torch.Tensor, sinks: torch.Tens
     group = hq // num_kv_heads
     block_r = 16
     m, m_pad = padded_factor(d)
-    _merge_reduce_kernel[(b * num_kv_heads, triton.cdiv(tq * group, block_r))](
+    _merge_reduce_kernel[(b * num_kv_heads, cdiv(tq * group, block_r))](
         o_part, lse_part, sinks if sinks is not None else lse_part, device_signs(d, out.device),
         *rotation_tables(d, out.device), out, tq, num_kv_heads, parts,
         D=d, G=group, BLOCK_R=block_r, HAS_SINKS=sinks is not None, M=m, MP=m_pad, num_warps=4,

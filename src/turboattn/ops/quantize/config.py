@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 # Tokens per program for long chunks (prefill), by the padded head dim next_power_of_2(D) (the columns a
 # kernel holds): the rotation tile is BLOCK_T x min(padded D, 256) float32 in registers.
@@ -17,6 +18,7 @@ class QuantizePlan:
     num_warps: int = 4
 
 
+@lru_cache(maxsize=1024)  # asked by every append: a decode step's are all alike
 def plan_quantize(head_dim: int, tokens: int | None = None) -> QuantizePlan:
     """The plan for appending `tokens` tokens per sequence (None: a long chunk)."""
     block_t = _BLOCK_T[1 << (head_dim - 1).bit_length()]

@@ -33,6 +33,7 @@ from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..triton_lib import hadamard_tile, kron_rows, kron_tile, load_padded_vector, padded_columns, padded_factor, padded_mask
 from ..cached.config import check_kernel_head_dim
+from ..launch import cdiv
 from .config import plan_quantize
 
 
@@ -308,11 +309,12 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     k_cb, k_bounds, k_grid = cell_tables(codec.k_bits, dev)
     v_cb, v_bounds, v_grid = cell_tables(codec.v_bits, dev)
     plan = plan_quantize(d, t)
-    grid = (triton.cdiv(t, plan.block_t), b * hkv, 2)
+    grid = (cdiv(t, plan.block_t), b * hkv, 2)
     bf16_scales = layout.k_scales.dtype == torch.bfloat16
     k_scales, v_scales = ((x.view(torch.int16) if bf16_scales else x) for x in (layout.k_scales, layout.v_scales))
+    sk, sv = k.stride(), v.stride()
     _quantize_append_kernel[grid](
-        k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k, v, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         layout.k_codes, k_scales, layout.v_codes, v_scales,
         k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, device_signs(d, dev),
         hadamard_tile(min(d, 256) if m == 1 else 16, dev), kron_tile(m, dev),
