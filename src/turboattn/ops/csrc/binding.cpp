@@ -117,9 +117,10 @@ int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
 }
 
 void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_codes, torch::Tensor& k_scales,
-                     torch::Tensor& v_codes, torch::Tensor& v_scales, const torch::Tensor& k_grid, double k_grid_lo,
-                     double k_grid_scale, const torch::Tensor& v_grid, double v_grid_lo, double v_grid_scale,
-                     const torch::Tensor& signs, const c10::optional<torch::Tensor>& key_shift,
+                     torch::Tensor& v_codes, torch::Tensor& v_scales, const torch::Tensor& k_centroids,
+                     const torch::Tensor& k_bounds, const torch::Tensor& k_grid, double k_grid_lo, double k_grid_scale,
+                     const torch::Tensor& v_centroids, const torch::Tensor& v_bounds, const torch::Tensor& v_grid,
+                     double v_grid_lo, double v_grid_scale, const torch::Tensor& signs, const c10::optional<torch::Tensor>& key_shift,
                      const c10::optional<torch::Tensor>& key_gain, const torch::Tensor& seen,
                      const c10::optional<torch::Tensor>& new_lengths, const c10::optional<torch::Tensor>& nonfinite,
                      int64_t k_bits, int64_t v_bits, int64_t rule, bool ring) {
@@ -138,14 +139,18 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.v_codes = v_codes.data_ptr<uint8_t>();
   p.v_scales = v_scales.data_ptr();
   p.scale_bf16 = k_scales.scalar_type() == at::kBFloat16;
-  p.k_grid = reinterpret_cast<const float4*>(k_grid.data_ptr<float>());
+  p.k_centroids = k_centroids.data_ptr<float>();
+  p.k_bounds = k_bounds.data_ptr<float>();
+  p.k_grid = k_grid.data_ptr<uint8_t>();
   p.k_grid_lo = static_cast<float>(k_grid_lo);
   p.k_grid_scale = static_cast<float>(k_grid_scale);
-  p.k_grid_size = k_grid.size(0);
-  p.v_grid = reinterpret_cast<const float4*>(v_grid.data_ptr<float>());
+  p.k_grid_size = k_grid.numel();
+  p.v_centroids = v_centroids.data_ptr<float>();
+  p.v_bounds = v_bounds.data_ptr<float>();
+  p.v_grid = v_grid.data_ptr<uint8_t>();
   p.v_grid_lo = static_cast<float>(v_grid_lo);
   p.v_grid_scale = static_cast<float>(v_grid_scale);
-  p.v_grid_size = v_grid.size(0);
+  p.v_grid_size = v_grid.numel();
   p.signs = signs.data_ptr<float>();
   p.key_shift = key_shift.has_value() ? key_shift->data_ptr<float>() : nullptr;
   p.key_gain = key_gain.has_value() ? key_gain->data_ptr<float>() : nullptr;

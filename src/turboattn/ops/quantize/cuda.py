@@ -36,21 +36,18 @@ _GRIDS = {2: (-4.0, 8, 64), 3: (-4.0, 8, 64), 4: (-4.0, 8, 64), 5: (-4.0, 16, 12
 
 
 @lru_cache(maxsize=None)
-def cell_grid(bits: int, device: torch.device) -> tuple[torch.Tensor, float, float]:
-    """(grid [cells, 4] float32, lo, scale) for the kernel.  Grid cell g (u in [lo + g / scale, lo + (g+1) / scale))
-    holds: the count n of boundaries strictly below its left edge (as int32 bits), the boundary n (+inf past the
-    last), and the centroids n and n + 1 (n + 1 clamped): a coordinate's code is n + (boundary n < u)."""
+def cell_grid(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+    """(centroids, boundaries + [inf], grid [cells] uint8, lo, scale) for the kernel: grid[g] counts the boundaries
+    strictly below lo + g / scale, so a coordinate's code is grid[g] + (boundaries[grid[g]] < u)."""
     lo, scale, cells = _GRIDS[bits]
     bounds = codebook.boundaries(bits, torch.float32)
     if float(bounds.abs().max()) >= -lo or float((bounds[1:] - bounds[:-1]).min()) <= 1 / scale:
         raise AssertionError(f"the {bits}-bit grid does not separate the boundaries")
     edges = lo + torch.arange(cells, dtype=torch.float32) / scale
-    below = torch.searchsorted(bounds, edges)                            # boundaries strictly below each edge
-    centroids = codebook.centroids(bits, torch.float32)
+    grid = torch.searchsorted(bounds, edges).to(torch.uint8)
     padded = torch.cat([bounds, torch.tensor([float("inf")])])
-    grid = torch.stack([below.to(torch.int32).view(torch.float32), padded[below], centroids[below],
-                        centroids[(below + 1).clamp(max=len(centroids) - 1)]], dim=1)
-    return grid.contiguous().to(device), lo, float(scale)
+    return (codebook.device_centroids(bits, device, torch.float32), padded.to(device), grid.to(device), lo,
+            float(scale))
 
 
 @lru_cache(maxsize=None)

@@ -2,14 +2,15 @@
 // of quantize/triton.py and of naive.py (the reference codec, format/codec.py), which define what is stored.
 //
 // A vector's D coordinates are spread over L = D / PL consecutive lanes, PL each (lane s of the group holds
-// coordinates PL s .. PL s + PL - 1): PL = 16 for long chunks, so a warp codes 32 / L vectors at once; a decode step
-// spreads a vector over a whole warp (QuantShape).  Every reduction over a vector is a few shuffles inside its
+// coordinates PL s .. PL s + PL - 1): PL = 16 or 32 for long chunks, so a warp codes 32 / L vectors at once; a
+// decode step spreads a vector over a whole warp (QuantShape).  Every reduction over a vector is a few shuffles inside its
 // group.  Per vector: load (wide loads; the next block's are in flight while this one is coded), key transform,
 // non-finite check, the exact power-of-two prescale of codec.quantize, signs, the Hadamard transform (butterflies
 // inside a lane, log2 L stages across lanes by shuffles; unnormalized: 1 / sqrt(D) is folded into the scale), the
-// norm block's RMS, the Lloyd–Max cell of every coordinate (one 16-byte read of a uniform grid, whose cell holds the
-// count of boundaries below it, the next boundary and the two centroids it can decide between, plus one compare:
-// exact because no grid cell holds two boundaries; quantize/triton.py's method, with the reads fused), the scale rule, and
+// norm block's RMS, the Lloyd–Max cell of every coordinate (one read of a uniform grid of boundary counts plus one
+// boundary compare, exact because no grid cell holds two boundaries: quantize/triton.py's method, with grids of 64
+// to 1024 one-byte cells by the bit width, so that lanes seldom meet in a shared-memory bank; a grid of 16-byte cells
+// holding the boundary and both centroids, one read instead of three, ran 10% slower at D = 128), the scale rule, and
 // the planar packing: each lane puts its cell indices in shared memory as bytes, and the group then builds the
 // packed row's 32-bit words (a row is D * bits / 8 bytes): a word of a w-bit plane of P bytes ORs, for k < 8 / w,
 // the w-bit slices of four consecutive indices at coordinate j + k P (byte j of a plane holds coordinate j + k P at
@@ -25,12 +26,11 @@ namespace turboattn {
 namespace {
 
 constexpr int MAX_WARPS = 4;
-constexpr int LONG_PER_LANE = 16;  // coordinates per lane for long chunks; a decode step spreads a vector wider
 constexpr int SHORT_CHUNK = 16;   // tokens per sequence up to which a launch takes the decode-step shape
 
-// PL coordinates per lane: 16 for long chunks (a warp codes 32 / L vectors with 32-byte loads per lane, at 72
-// registers); a decode step takes the fewest that fit a vector in a warp (max(D / 32, 4)), so each lane's
-// dependency chain is short.
+// PL coordinates per lane.  Long chunks: 32 at D <= 128 (128 registers, 4 CTAs per SM, but wide loads and few
+// shuffle stages: faster there than 16 at 72 registers) and 16 above (BENCHMARKS.md has the runs).  A decode step
+// takes the fewest that fit a vector in a warp (max(D / 32, 4)), so each lane's dependency chain is short.
 template <int D, int PL>
 struct QuantShape {
   static_assert(D == 64 || D == 128 || D == 256 || D == 512, "head_dim 64, 128, 256 or 512");
@@ -41,6 +41,9 @@ struct QuantShape {
   static constexpr int BLOCK = D / NB;
   static constexpr int BLOCK_LANES = BLOCK / PL;
 };
+
+template <int D>
+constexpr int long_chunk_per_lane() { return D <= 128 ? 32 : 16; }
 
 template <int D>
 constexpr int short_chunk_per_lane() { return D / 32 > 4 ? D / 32 : 4; }
@@ -152,7 +155,9 @@ __device__ __forceinline__ void store_scale(void* scales, size_t at, float s, bo
 }
 
 struct Tables {  // in shared memory
-  const float4* grid;    // [grid_size]: (boundaries below the cell's left edge, the next one, its two centroids)
+  const uint8_t* grid;   // [grid_size]: boundaries below each grid cell's left edge
+  const float* bounds;   // [2^bits], the last +inf
+  const float* centroids;
   const float* signs;    // [D]
   float grid_lo, grid_scale;
   int grid_size;
@@ -169,11 +174,10 @@ __device__ __forceinline__ void find_cells(const float (&x)[PL], float inv, int 
   for (int i = 0; i < PL; ++i) {
     const float u = x[i] * inv;
     const int g = min(max(static_cast<int>(fmaf(u, tab.grid_scale, offset)), 0), tab.grid_size - 1);
-    const float4 cell = tab.grid[g];   // one 16-byte read: count below, next boundary, the two centroids
-    const bool above = cell.y < u;
-    const int idx = (__float_as_int(cell.x) + above) & keep;
+    const int below = tab.grid[g];
+    const int idx = (below + (tab.bounds[below] < u)) & keep;
     if constexpr (CENTROIDS) {
-      const float c = above ? cell.w : cell.z;
+      const float c = tab.centroids[idx];
       csq = fmaf(c, c, csq);
       yc = fmaf(x[i], c, yc);
     }
@@ -182,10 +186,40 @@ __device__ __forceinline__ void find_cells(const float (&x)[PL], float inv, int 
   }
 }
 
+// Where a lane's rows of the input lie, and its first row, fetched as the kernel starts (before the tables are
+// staged and the lengths read: any token below T is a valid address), so that a decode step waits for one round
+// trip to memory rather than three.
+template <int DTYPE, int PL>
+struct Rows {
+  const void* src;        // of DTYPE (p.in_dtype)
+  long long row0, stride_t;
+  int t_first;
+  RawRow<DTYPE, PL> first;
+
+  __device__ __forceinline__ void fetch(int t, RawRow<DTYPE, PL>& raw) const {
+    fetch_row<DTYPE, PL>(src, row0 + t * stride_t, raw);
+  }
+};
+
+template <int D, int PL, int DTYPE>
+__device__ __forceinline__ Rows<DTYPE, PL> first_rows(const QuantizeParams& p, bool is_key, int b, int h) {
+  using S = QuantShape<D, PL>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  Rows<DTYPE, PL> rows;
+  rows.src = is_key ? p.k : p.v;
+  rows.stride_t = is_key ? p.k_stride_t : p.v_stride_t;
+  rows.row0 = b * (is_key ? p.k_stride_b : p.v_stride_b) + h * (is_key ? p.k_stride_h : p.v_stride_h) +
+              (lane % S::L) * PL;
+  rows.t_first = blockIdx.x * (blockDim.x / 32) * S::VECTORS + warp * S::VECTORS + lane / S::L;
+  if (rows.t_first < p.tokens) rows.fetch(rows.t_first, rows.first);
+  return rows;
+}
+
 // Code this CTA's tokens of one (sequence, KV head) and side.
 template <int D, int PL, int DTYPE, int BITS>
 __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, int n_new, int first,
-                                            int slot0, const Tables& tab, uint8_t* warp_cells) {
+                                            int slot0, const Tables& tab, uint8_t* warp_cells,
+                                            const Rows<DTYPE, PL>& rows) {
   using S = QuantShape<D, PL>;
   using PW = PlaneWidths<BITS>;
   constexpr int ROW = D * BITS / 8;
@@ -194,11 +228,6 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
   constexpr int LANE_WORDS = (ROW_WORDS + S::L - 1) / S::L;  // packed words per lane (BITS * PL / 32)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int vec = lane / S::L, sub = lane % S::L, c0 = sub * PL;
-  const void* src = is_key ? p.k : p.v;  // of DTYPE (p.in_dtype)
-  const long long stride_b = is_key ? p.k_stride_b : p.v_stride_b;
-  const long long stride_h = is_key ? p.k_stride_h : p.v_stride_h;
-  const long long stride_t = is_key ? p.k_stride_t : p.v_stride_t;
-  const long long row0 = b * stride_b + (bh % p.num_kv_heads) * stride_h + c0;
   uint8_t* codes = is_key ? p.k_codes : p.v_codes;
   void* scales = is_key ? p.k_scales : p.v_scales;
   const bool transform = is_key && p.key_shift != nullptr;
@@ -208,15 +237,14 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
   const int step = gridDim.x * tokens_per_cta;
   auto stored = [&](int t) { return t < n_new && t >= first && (p.ring || slot0 + t < p.capacity); };
   // The next block's rows are fetched while this one is coded (one block of loads in flight per warp).
-  RawRow<DTYPE, PL> next;
-  int t_next = blockIdx.x * tokens_per_cta + warp * S::VECTORS + vec;
-  if (stored(t_next)) fetch_row<DTYPE, PL>(src, row0 + t_next * stride_t, next);
+  RawRow<DTYPE, PL> next = rows.first;
+  int t_next = rows.t_first;
   for (int t0 = blockIdx.x * tokens_per_cta; t0 < n_new; t0 += step) {
     const int t = t_next;
     const bool valid = stored(t);
     const RawRow<DTYPE, PL> raw = next;
     t_next = t + step;
-    if (stored(t_next)) fetch_row<DTYPE, PL>(src, row0 + t_next * stride_t, next);
+    if (stored(t_next)) rows.fetch(t_next, next);
     const int slot = p.ring ? (slot0 + t) % p.capacity : slot0 + t;
     float x[PL];
     if (valid) {
@@ -343,32 +371,40 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
 }
 
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
-// (the cell grid: 1 KB for codes of up to 6 bits, 16 KB for 8 bits) and loops over token blocks gridDim.x apart.
+// (the cell grid, boundaries, centroids and signs: at most 4 KB) and loops over token blocks gridDim.x apart.
 template <int D, int PL, int DTYPE>
 __global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const QuantizeParams p) {
-  __shared__ float4 grid[MAX_GRID];
+  __shared__ __align__(16) uint8_t grid[MAX_GRID];
+  __shared__ float bounds[256];
+  __shared__ float centroids[256];
   __shared__ __align__(16) float signs[D];
   __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
   const bool is_key = blockIdx.z == 0;
   const int bits = is_key ? p.k_bits : p.v_bits;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads;
+  const Rows<DTYPE, PL> rows = first_rows<D, PL, DTYPE>(p, is_key, b, bh % p.num_kv_heads);
   const int grid_size = is_key ? p.k_grid_size : p.v_grid_size;
-  for (int i = threadIdx.x; i < grid_size; i += blockDim.x) grid[i] = (is_key ? p.k_grid : p.v_grid)[i];
+  for (int i = threadIdx.x; i < grid_size / 16; i += blockDim.x)
+    reinterpret_cast<uint4*>(grid)[i] = reinterpret_cast<const uint4*>(is_key ? p.k_grid : p.v_grid)[i];
+  for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) {
+    bounds[i] = (is_key ? p.k_bounds : p.v_bounds)[i];
+    centroids[i] = (is_key ? p.k_centroids : p.v_centroids)[i];
+  }
   for (int i = threadIdx.x; i < D; i += blockDim.x) signs[i] = p.signs[i];
   const int n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
   const int first = p.ring ? max(n_new - p.capacity, 0) : 0;  // a ring keeps only the last N of a long chunk
   const int slot0 = p.seen[b];
   __syncthreads();
-  const Tables tab{grid, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
+  const Tables tab{grid, bounds, centroids, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
                    is_key ? p.k_grid_scale : p.v_grid_scale, grid_size};
   uint8_t* warp_cells = cells[threadIdx.x / 32];
   switch (bits) {
-    case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
-    case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
-    case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
-    case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
-    case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
-    case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells); break;
+    case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+    case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+    case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+    case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+    case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+    case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
   }
 }
 
@@ -399,7 +435,7 @@ int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
 template <int D, int DTYPE>
 int launch_for_shape(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   if (p.tokens <= SHORT_CHUNK) return launch<D, short_chunk_per_lane<D>(), DTYPE>(p, batch, sms, stream);
-  return launch<D, LONG_PER_LANE, DTYPE>(p, batch, sms, stream);
+  return launch<D, long_chunk_per_lane<D>(), DTYPE>(p, batch, sms, stream);
 }
 
 template <int D>

@@ -1,6 +1,5 @@
 // Parameters of the CUDA quantize-append kernel (quantize.cu); plain data, shared with the binding.
 #pragma once
-#include <cuda_runtime.h>
 #include <stdint.h>
 
 namespace turboattn {
@@ -17,12 +16,15 @@ struct QuantizeParams {
   uint8_t* v_codes;
   void* v_scales;
   int scale_bf16;
-  // Cell search per side (quantize/cuda.py cell_grid): a uniform grid over u in [lo, -lo), grid_size cells (at most
-  // MAX_GRID) of 1 / scale, each narrower than the closest two boundaries; cell g holds (as float4) the count of
-  // boundaries below its left edge (int bits), the next boundary above that (+inf past the last), and the
-  // centroids of the two code cells it can fall in.
-  const float4* k_grid;
-  const float4* v_grid;
+  // Cell search per side (quantize/cuda.py cell_grid): centroids [2^bits], boundaries [2^bits] (the last +inf), and
+  // a uniform grid over u in [lo, -lo) of grid_size cells (at most MAX_GRID) of 1 / scale, each narrower than the
+  // closest two boundaries: grid[g] counts the boundaries below cell g's left edge.
+  const float* k_centroids;
+  const float* k_bounds;
+  const uint8_t* k_grid;
+  const float* v_centroids;
+  const float* v_bounds;
+  const uint8_t* v_grid;
   float k_grid_lo, k_grid_scale, v_grid_lo, v_grid_scale;
   int k_grid_size, v_grid_size;
   const float* signs;      // [D]
