@@ -216,7 +216,7 @@ def run(args) -> int:
             for r in results]
     print_table(f"generate, {args.model} shape, {env['gpu']}, k{k_bits}v{v_bits}",
                 ["B", "context", "path", "ms / new token", "KV cache GiB", "peak GiB"], rows)
-    payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
+    payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "results": results}
     write_results(args.out, f"generate_{args.model}", payload)
     _plot(args.out, f"generate_{args.model}", results, f"{args.model} shape, {env['gpu']}")
     return 0

@@ -220,6 +220,6 @@ def run(args) -> int:
                 ["piece", "µs"], [[name, results[name]] for name in PIECES])
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
            "date": datetime.date.today().isoformat()}
-    payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "func"}, "us": results}
+    payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "us": results}
     write_results(args.out, "host", payload)
     return 0
