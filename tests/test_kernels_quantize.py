@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import turboattn as ta
 
-from quantize_checks import assert_same as _assert_same
+from quantize_checks import assert_same
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (set by `make test`) or a GPU")
@@ -43,7 +43,7 @@ def _check_matches_codec(d, k_bits, v_bits, rule, t, dtype, seed):
     k[0, 1, 0] = 0  # zero vector: scale 0
     fused.append(k, v, backend="triton")
     ref.append(k, v, backend="torch")
-    _assert_same(fused, ref, [(k, v)])
+    assert_same(fused, ref, [(k, v)])
 
 
 @settings(max_examples=10, phases=NO_SHRINK)
@@ -67,7 +67,7 @@ def test_quantize_append_ring_wraps_at_other_head_dims(gen, d):
         fused.append(k, v, backend="triton")
         ref.append(k, v, backend="torch")
         inputs.append((k, v))
-        _assert_same(fused, ref, inputs)
+        assert_same(fused, ref, inputs)
 
 
 @pytest.mark.parametrize("d", [384, 496])
@@ -78,7 +78,7 @@ def test_quantize_append_large_other_head_dims(gen, d):
     v = torch.randn(1, 1, 5, d, generator=gen)
     fused.append(k, v, backend="triton")
     ref.append(k, v, backend="torch")
-    _assert_same(fused, ref, [(k, v)])
+    assert_same(fused, ref, [(k, v)])
 
 
 def test_quantize_append_ring_wraps_and_long_chunks(gen):
@@ -91,7 +91,7 @@ def test_quantize_append_ring_wraps_and_long_chunks(gen):
         fused.append(k, v, backend="triton")
         ref.append(k, v, backend="torch")
         inputs.append((k, v))
-        _assert_same(fused, ref, inputs)
+        assert_same(fused, ref, inputs)
 
 
 def test_quantize_append_ragged_lengths(gen):
@@ -105,7 +105,7 @@ def test_quantize_append_ragged_lengths(gen):
         ref.append(k, v, new_lengths=lengths, backend="torch")
         inputs.append((k, v))
     assert fused.seen.tolist() == [8, 6, 3]
-    _assert_same(fused, ref, inputs)
+    assert_same(fused, ref, inputs)
 
 
 def test_quantize_append_head_dim_512(gen):
@@ -115,7 +115,7 @@ def test_quantize_append_head_dim_512(gen):
     v = torch.randn(1, 1, 17, 512, generator=gen)
     fused.append(k, v, backend="triton")
     ref.append(k, v, backend="torch")
-    _assert_same(fused, ref, [(k, v)])
+    assert_same(fused, ref, [(k, v)])
 
 
 @pytest.mark.parametrize("d", [64, 512, 96, 288])
@@ -135,7 +135,7 @@ def test_quantize_append_applies_the_key_transform(gen, d):
         fused.append(k, v, backend="triton")
         ref.append(k, v, backend="torch")
         inputs.append((ref.stored_keys(k), v))
-    _assert_same(fused, ref, inputs)
+    assert_same(fused, ref, inputs)
 
 
 @pytest.mark.parametrize("d", [64, 512, 112])
@@ -156,7 +156,7 @@ def test_quantize_append_is_magnitude_invariant(d, dtype, exponents, gen):
         fused, ref = _pair(codec, 2, 2, capacity=5)
         fused.append(k.to(dtype), v.to(dtype), backend="triton")
         ref.append(k.to(dtype), v.to(dtype), backend="torch")
-        _assert_same(fused, ref, [(k, v)])
+        assert_same(fused, ref, [(k, v)])
         for kind in ("k", "v"):
             assert torch.equal(getattr(fused, f"{kind}_codes"), getattr(base, f"{kind}_codes"))
             got, want = getattr(fused, f"{kind}_scales").double(), getattr(base, f"{kind}_scales").double() * 2.0**e

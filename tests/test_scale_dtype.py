@@ -58,7 +58,7 @@ def test_triton_quantize_stores_torchs_bf16_rounding(d, window, gen):
     only codes within float rounding of a cell boundary may differ, and float32 scales agree to 1e-5 relative
     where a block's codes agree; rounded to nearest bfloat16, two such values are equal or adjacent (one
     rounding boundary may lie between them), so their bit patterns differ by at most 1."""
-    from test_kernels_quantize import _near_boundary
+    from quantize_checks import near_boundary
     codec = ta.KVCodec(d, 4, 3, scale_dtype=BF16)
     caches = [ta.QuantizedKVCache(codec, 2, 2, capacity=None if window else 40, sliding_window=window)
               for _ in range(2)]
@@ -78,7 +78,7 @@ def test_triton_quantize_stores_torchs_bf16_rounding(d, window, gen):
         idx = [codec.unpack(ta.Packed(getattr(c, f"{kind}_codes"), getattr(c, f"{kind}_scales")), kind)
                for c in (want, got)]
         finite = torch.isfinite(getattr(want, f"{kind}_scales"))
-        near = sum(int(_near_boundary(codec, kv[i].nan_to_num(), kind).sum()) for kv in inputs)
+        near = sum(int(near_boundary(codec, kv[i].nan_to_num(), kind).sum()) for kv in inputs)
         assert int((idx[0] != idx[1]).sum()) <= near
         a, b = getattr(want, f"{kind}_scales"), getattr(got, f"{kind}_scales")
         assert b.dtype == BF16 and torch.equal(a.isnan(), b.isnan())
