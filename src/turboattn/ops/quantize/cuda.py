@@ -8,11 +8,11 @@ from functools import lru_cache
 
 import torch
 
-from ...format import codebook
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..cuda_extension import capable, extension
+from .config import boundary_grid
 from .triton import quantize_append_triton
 
 CUDA_QUANTIZE_HEAD_DIMS = (64, 128, 256, 512)
@@ -28,26 +28,18 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if not x.is_contiguous() else x.clone()
 
 
-# The cell search's uniform grid per bit width, (lo, cells per unit of u, cells): every boundary lies inside
-# [lo, -lo), and a cell (1 / scale wide) is narrower than the closest two boundaries (0.258 apart at 4 bits, 0.132 at 5,
-# 0.067 at 6, 0.0169 at 8), so one grid read and one boundary compare find a code cell.
-_GRIDS = {2: (-4.0, 8, 64), 3: (-4.0, 8, 64), 4: (-4.0, 8, 64), 5: (-4.0, 16, 128), 6: (-4.0, 16, 128),
-          8: (-8.0, 64, 1024)}
+# The cell search's uniform grid per bit width, (lo, cells): [lo, -lo) holds every boundary, and a cell is narrower
+# than the closest two boundaries (0.258 apart at 4 bits, 0.132 at 5, 0.067 at 6, 0.0169 at 8).  The grids are small
+# (64 to 1024 one-byte cells) so that the lanes of a warp seldom read two words of one shared-memory bank.
+_GRIDS = {2: (-4.0, 64), 3: (-4.0, 64), 4: (-4.0, 64), 5: (-4.0, 128), 6: (-4.0, 128), 8: (-8.0, 1024)}
 
 
 @lru_cache(maxsize=None)
 def cell_grid(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
-    """(centroids, boundaries + [inf], grid [cells] uint8, lo, scale) for the kernel: grid[g] counts the boundaries
-    strictly below lo + g / scale, so a coordinate's code is grid[g] + (boundaries[grid[g]] < u)."""
-    lo, scale, cells = _GRIDS[bits]
-    bounds = codebook.boundaries(bits, torch.float32)
-    if float(bounds.abs().max()) >= -lo or float((bounds[1:] - bounds[:-1]).min()) <= 1 / scale:
-        raise AssertionError(f"the {bits}-bit grid does not separate the boundaries")
-    edges = lo + torch.arange(cells, dtype=torch.float32) / scale
-    grid = torch.searchsorted(bounds, edges).to(torch.uint8)
-    padded = torch.cat([bounds, torch.tensor([float("inf")])])
-    return (codebook.device_centroids(bits, device, torch.float32), padded.to(device), grid.to(device), lo,
-            float(scale))
+    """(centroids, boundaries + [inf], grid [cells] uint8, lo, scale) for the kernel (config.boundary_grid): grid[g]
+    counts the boundaries strictly below lo + g / scale."""
+    lo, cells = _GRIDS[bits]
+    return (*boundary_grid(bits, lo, cells, torch.uint8, device), lo, cells / (-2.0 * lo))
 
 
 @lru_cache(maxsize=None)

@@ -27,14 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ...format import codebook
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..triton_lib import hadamard_tile, kron_rows, kron_tile, load_padded_vector, padded_columns, padded_factor, padded_mask
 from ..cached.config import check_kernel_head_dim
 from ..launch import cdiv
-from .config import plan_quantize
+from .config import boundary_grid, plan_quantize
 
 
 # Cell search by a uniform grid over u in [GRID_LO, -GRID_LO): grid cell g holds the
@@ -279,15 +278,7 @@ def _quantize_append_kernel(
 @lru_cache(maxsize=None)
 def cell_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(centroids, boundaries + [inf], grid of boundary counts) float32/float32/int16 on `device`."""
-    bounds = codebook.boundaries(bits, torch.float32)
-    lo, size = GRID_LO.value, GRID_SIZE.value
-    step = -2.0 * lo / size
-    if float((bounds[1:] - bounds[:-1]).min()) <= step:
-        raise AssertionError(f"grid step {step} is not finer than the {bits}-bit boundary spacing")
-    edges = lo + step * torch.arange(size, dtype=torch.float32)
-    grid = torch.searchsorted(bounds, edges).to(torch.int16)  # boundaries strictly below each edge
-    padded = torch.cat([bounds, torch.tensor([float("inf")])])
-    return codebook.device_centroids(bits, device, torch.float32), padded.to(device), grid.to(device)
+    return boundary_grid(bits, GRID_LO.value, GRID_SIZE.value, torch.int16, device)
 
 
 def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
