@@ -216,16 +216,19 @@ def test_compiled_calls_trace_to_the_ops(gen):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels need the interpreter here")
 @pytest.mark.parametrize("d, bits", [(64, (4, 3)), (128, (4, 4)), (256, (8, 2))])
 def test_allocated_device_tables_cover_every_kernel_table(d, bits, gen):
-    """After allocate_device_tables, a Triton append and decode step (fresh k/v, sinks) make no new table: none
-    would be allocated inside a CUDA graph's warm-up (ops/device_tables.py).  The tables' caches are keyed by
-    device, so the check runs on the CPU with the interpreter."""
+    """After allocate_device_tables, a Triton append and decode step (fresh k/v, sinks) and the CUDA quantize
+    kernel's tables make no new table: none would be allocated inside a CUDA graph's warm-up
+    (ops/device_tables.py).  The tables' caches are keyed by device, so the check runs on the CPU with the
+    interpreter."""
     from turboattn.format import codebook, rotation
     from turboattn.ops import triton_lib
     from turboattn.ops.device_tables import allocate_device_tables
+    from turboattn.ops.quantize import cuda as quantize_cuda
     from turboattn.ops.quantize import triton as quantize_triton
 
     codec = ta.KVCodec(d, *bits)
-    caches = (codebook.device_centroids, rotation.device_signs, triton_lib.hadamard_tile, quantize_triton.cell_tables)
+    caches = (codebook.device_centroids, rotation.device_signs, triton_lib.hadamard_tile, quantize_triton.cell_tables,
+              quantize_cuda.cell_grid)
     for f in caches:
         f.cache_clear()   # else tables made by earlier tests would hide a missing one
     allocate_device_tables(codec, torch.device("cpu"))
@@ -235,6 +238,7 @@ def test_allocated_device_tables_cover_every_kernel_table(d, bits, gen):
     cache.append(k, v, backend="triton")
     q = torch.randn(1, 2, 1, d, generator=gen)
     ta.cached_attention(q, cache, k[:, :, :1], v[:, :, :1], sinks=torch.zeros(2), backend="triton")
+    quantize_cuda._tables(*bits, d, torch.device("cpu"))   # what the CUDA quantize wrapper reads before its launch
     assert [f.cache_info().currsize for f in caches] == before
 
 

@@ -25,6 +25,7 @@ def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
             device_centroids(bits, device, dtype)
     if not importable("triton"):
         return
+    from .quantize.cuda import cell_grid
     from .quantize.triton import cell_tables
     from .triton_lib import hadamard_tile, kron_tile, padded_factor
     m, _ = padded_factor(d)
@@ -34,3 +35,4 @@ def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
     kron_tile(m, device)
     for bits in {codec.k_bits, codec.v_bits}:
         cell_tables(bits, device)
+        cell_grid(bits, device)   # the CUDA quantize kernel's
