@@ -331,16 +331,17 @@ def test_static_overflow_stores_what_fits_and_flags(backend, gen):
 
 def test_static_cache_marks_every_tensor_a_step_mutates():
     """CUDA graphs (reduce-overhead) skip a graph whose op mutates an input that is not marked static:
-    every tensor the ops write (their schemas' mutated arguments) and `seen` (advanced in place)
-    must carry the mark, key transform included."""
+    every tensor the ops write (their schemas' mutated arguments: codes, exact rows, counters) and `seen`
+    (advanced in place) must carry the mark, key transform included."""
     from turboattn.ops.library import cached_attention, quantize_append
 
-    cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 4), 2, 2, capacity=8, static=True)
+    cache = ta.QuantizedKVCache(ta.KVCodec(64, 4, 4), 2, 2, capacity=8, static=True, exact_recent=2, exact_first=2)
     cache.set_key_transform(torch.zeros(2, 2, 64), torch.ones(2, 2, 64))
     mutated = [a.name for op in (quantize_append, cached_attention) for a in op._opoverload._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write]
-    assert {"k_codes", "v_codes", "k_scales", "v_scales", "nonfinite", "merge_counters"} <= set(mutated)
-    for name in mutated + ["seen", "starts", "key_shift", "key_gain", "key_gain_inv"]:
+    assert {"k_codes", "v_codes", "k_scales", "v_scales", "nonfinite", "merge_counters", "recent_k",
+            "recent_v", "first_k", "first_v"} <= set(mutated)
+    for name in mutated + ["seen", "starts", "key_shift", "key_gain", "key_gain_inv"]:   # seen: advanced in place
         assert getattr(getattr(cache, name), "_dynamo_static_input_type", None) is not None, name
 
 

@@ -54,8 +54,11 @@ def test_opcheck_cached_attention(impl, window, exact_recent, exact_first, gen):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_opcheck_quantize_append(impl, gen):
-    cache = _cache(gen)
+@pytest.mark.parametrize("exact_recent,exact_first", [(0, 0), (5, 24)], ids=["codes", "exact-rows"])
+def test_opcheck_quantize_append(impl, exact_recent, exact_first, gen):
+    """The op writes the codes and the exact rows, and reads `seen`: opcheck fails on an undeclared mutation (24
+    first rows: the cache holds 21 tokens, so the appends still write some)."""
+    cache = _cache(gen, exact_recent=exact_recent, exact_first=exact_first)
     layout = cache.layout
     k, v = (torch.randn(2, 2, 3, 64, generator=gen) for _ in range(2))
     lengths = torch.tensor([3, 1], dtype=torch.int32)
@@ -63,7 +66,8 @@ def test_opcheck_quantize_append(impl, gen):
         torch.library.opcheck(torch.ops.turboattn.quantize_append.default,
                               (k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
                                layout.starts, new_lengths, None, None, None, 4, 3, "corrected", cache.nonfinite,
-                               impl))
+                               layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent,
+                               layout.first_k, layout.first_v, layout.exact_first, impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -114,10 +114,76 @@ def test_non_finite_vectors_are_stored_as_nan_and_counted(gen):
     assert float(rel.max()) < 0.05
 
 
-def test_decode_step_is_graph_capturable(gen):
-    """One token per step, replayed as a CUDA graph: the kernel reads the slot from the device lengths."""
+EXACT_ROWS = ("recent_k", "recent_v", "first_k", "first_v")
+
+
+def _poison_exact_rows(fused, ref, gen):
+    for name in EXACT_ROWS:
+        if getattr(fused, name) is not None:
+            noise = torch.randn(getattr(fused, name).shape, generator=gen).to(getattr(fused, name))
+            getattr(fused, name).copy_(noise)
+            getattr(ref, name).copy_(noise)
+
+
+def _assert_same_exact_rows(fused, ref):
+    """Every exact row alike; not the recent window's scratch row R, which the reference's masked scatter writes to
+    and the kernel never needs."""
+    for name in EXACT_ROWS:
+        if getattr(fused, name) is not None:
+            rows = fused.exact_recent if name.startswith("recent") else None
+            assert torch.equal(getattr(fused, name)[:, :, :rows], getattr(ref, name)[:, :, :rows]), name
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("exact_dtype", [torch.bfloat16, torch.float32])
+def test_exact_rows_and_lengths_in_the_kernel(static, exact_dtype, gen):
+    """The kernel writes the exact recent window and first rows (raw, rounded to the exact dtype) and advances seen:
+    ragged lengths (a sequence with none), left padding, chunks longer than the window, decode steps, and a static
+    cache that runs out of room (its exact rows still take the tokens), on poisoned rows."""
+    codec = ta.KVCodec(128, 4, 3, scale_dtype=torch.bfloat16)
+    fused, ref = _pair(codec, 3, 2, gen, capacity=60 if static else 90, static=static, exact_recent=8,
+                       exact_first=4, exact_dtype=exact_dtype)
+    for cache in (fused, ref):
+        cache.set_left_padding([0, 3, 7])
+    _poison_exact_rows(fused, ref, gen)
+    inputs = []
+    for t, lengths in ((5, [5, 2, 0]), (30, None), (1, None), (20, [20, 9, 3]), (1, None), (16, None), (1, None)):
+        k = torch.randn(3, 2, t, 128, generator=gen).cuda().float()
+        v = torch.randn(3, 2, t, 128, generator=gen).cuda().float()
+        _append(fused, ref, k, v, new_lengths=lengths)
+        inputs.append((k, v))
+        assert torch.equal(fused.seen, ref.seen)
+        _assert_same_exact_rows(fused, ref)
+    assert bool(fused.overflowed) == static
+    assert_same(fused, ref, inputs)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["codes", "exact-rows"])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_decode_append_is_one_launch(exact, static):
+    """Codes, exact rows and the lengths' advance: one kernel, no other GPU work (the profiler's count)."""
+    codec = ta.KVCodec(128, 4, 3, scale_dtype=torch.bfloat16)
+    cache = ta.QuantizedKVCache(codec, 4, 8, capacity=64, static=static, exact_recent=16 if exact else 0,
+                                exact_first=4 if exact else 0, exact_dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(4, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cache.append(k, v)   # built and warm
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cache.append(k, v)
+        torch.cuda.synchronize()
+    gpu_work = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(gpu_work) == 1 and "quantize_append" in gpu_work[0], gpu_work
+    assert cache.seen.tolist() == [2] * 4
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["codes", "exact-rows"])
+def test_decode_step_is_graph_capturable(exact, gen):
+    """One token per step, replayed as a CUDA graph: the kernel reads the slot from the device lengths, writes the
+    exact rows and advances the lengths."""
     codec = ta.KVCodec(128, 4, 4)
-    fused, ref = _pair(codec, 2, 8, gen, capacity=64, static=True)
+    options = dict(exact_recent=3, exact_first=2, exact_dtype=torch.bfloat16) if exact else {}
+    fused, ref = _pair(codec, 2, 8, gen, capacity=64, static=True, **options)
     k_in = torch.zeros(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
     v_in = torch.zeros_like(k_in)
     fused.append(k_in, v_in)   # warm up outside the capture
@@ -132,4 +198,5 @@ def test_decode_step_is_graph_capturable(gen):
         graph.replay()
         ref.append(k_in, v_in, backend="torch")
         inputs.append((k_in.clone(), v_in.clone()))
+        _assert_same_exact_rows(fused, ref)
     assert_same(fused, ref, inputs)

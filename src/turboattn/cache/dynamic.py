@@ -30,13 +30,14 @@ Exact recent window (`exact_recent=R`, default 0 = off): every token is still co
 R newest of each sequence are also kept in full precision (`exact_dtype`, the model's domain) in a
 small ring, `recent_k` / `recent_v` [B, Hkv, R + 1, D] (layout.py); attention reads positions
 [seen - R, seen) from it and older ones from the codes.  An append writes its last min(T, R) real
-tokens with one scatter (positions from the device `seen`: no host sync).  A crop that drops tokens
+tokens there (positions from the device `seen`: no host sync), in the same op that codes them (one launch
+on the CUDA path).  A crop that drops tokens
 whose exact copies were overwritten refills those rows from the codes (crop's docstring).
 
 Exact first tokens (`exact_first=S`, default 0 = off; contiguous caches only, a ring raises ValueError:
 its first tokens leave the window): the first S real tokens of each sequence (positions starts[b] + j,
 j < S) are also kept in `first_k` / `first_v` [B, Hkv, S, D] (exact_dtype, row j), written by the append
-that brings them (one gather and one masked copy, positions from the device `seen`: no host sync), and
+that brings them (positions from the device `seen`: no host sync), and
 attention reads them from there, never from their codes.  The first-token rows win over the recent window
 (which then reads only positions >= starts + S).  Left padding must be set while the cache is empty
 (set_left_padding raises otherwise): the rows are indexed from `starts`.  A crop below starts + S zeroes the
@@ -547,79 +548,23 @@ class QuantizedKVCache:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
         impl = choose("quantize_append", backend, k.device, self.codec.head_dim)
-        # A static cache that runs out of room: the kernels write only the tokens that fit (slot < capacity).
+        # One op stores the codes (a static cache that runs out of room: only the tokens that fit), the exact rows,
+        # and advances `seen` on the device (no host-to-device copy: decode steps stay capturable in a CUDA graph).
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
-        run_quantize_append(k, v, self.layout, n_dev, self.codec.k_bits, self.codec.v_bits, self.codec.scale_rule,
-                            impl)
-        if self.exact_recent:
-            self._append_recent(k, v, new_lengths, n)
-        if self.exact_first and not self._first_rows_full():
-            self._append_first(k, v, new_lengths, n)
-        if new_lengths is None:
-            self.seen += t  # no host-to-device copy: decode steps stay capturable in a CUDA graph
-        else:
-            self.seen += torch.tensor(n, dtype=torch.int32, device=self.device)
+        layout = self.layout
+        if self.exact_first and self._first_rows_full():
+            layout.first_k = layout.first_v = None   # every first row is written: nothing for the op to copy
+        run_quantize_append(k, v, layout, n_dev, self.codec.k_bits, self.codec.v_bits, self.codec.scale_rule, impl)
         if self.is_static:
             self._empty = False
         else:
             self._seen_host = list(map(add, self._seen_host, n))
-
-    def _append_recent(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
-        """Copy the last min(T, R) real tokens of each sequence into the exact window (before `seen` moves).
-
-        One scatter per tensor (and a gather with ragged new_lengths), positions from the device `seen` (no
-        sync): token j of sequence b (position seen[b] + j) goes to row (seen[b] + j) % R when it is among the
-        last R of the n[b] real ones, else to the scratch row R.  The real writes of a sequence are at most R
-        consecutive positions, so no two share a row.  All real tokens are kept, also those a static
-        cache had no room to code (attention then still reads the newest R exactly)."""
-        r_len, t = self.exact_recent, k.shape[2]
-        width = min(t, r_len)
-        if new_lengths is None:
-            # All real (a decode step): the chunk's last `width` tokens, rows (seen + j) % R, j in [t - width, t);
-            # no gather, no masking: the same writes in a third of the small ops (each a launch on a GPU).
-            pos = self.seen.to(torch.int64).view(-1, 1)
-            if t > 1:
-                pos = pos + torch.arange(t - width, t, device=self.device)
-            put = torch.remainder(pos, r_len).view(self.batch_size, 1, width, 1).expand(-1, self.num_kv_heads, -1,
-                                                                                         self.codec.head_dim)
-            for ring, x in ((self.recent_k, k), (self.recent_v, v)):
-                x = x[:, :, t - width:] if width < t else x
-                ring.scatter_(2, put, x if x.dtype == self.exact_dtype else x.to(self.exact_dtype))
-            return
-        i = torch.arange(width, device=self.device)[None, :]                    # [1, width]
-        count = torch.tensor(n, dtype=torch.int64, device=self.device)[:, None]
-        j = count - width + i                                                   # [B, width]
-        real = j >= 0
-        j = j.expand(self.batch_size, -1)
-        real = real.expand(self.batch_size, -1)
-        row = torch.where(real, torch.remainder(self.seen.to(torch.int64)[:, None] + j, r_len),
-                          torch.full_like(j, r_len))
-        take = j.clamp(min=0)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
-        put = row[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
-        for ring, x in ((self.recent_k, k), (self.recent_v, v)):
-            ring.scatter_(2, put, x.gather(2, take).to(self.exact_dtype))
 
     def _first_rows_full(self) -> bool:
         """Whether no append can write a first-token row: every sequence of a growing cache holds positions up to
         starts + exact_first already (row j takes position starts + j only while it is >= seen).  A static cache
         cannot tell without a sync: its appends always make the (masked) copy."""
         return not self.is_static and min(self._seen_host) >= self._starts_bound + self.exact_first
-
-    def _append_first(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int]) -> None:
-        """Copy the real tokens at positions starts + j (j < S) into first-token row j (before `seen` moves).
-
-        Row j takes token i = starts + j - seen of the chunk when 0 <= i < n[b] (a real token of this
-        append), else keeps what it holds: one gather and one masked copy per tensor, positions from the
-        device `seen` and `starts` (no sync).  All real tokens count, also those a static cache had no room
-        to code."""
-        t = k.shape[2]
-        j = torch.arange(self.exact_first, device=self.device)[None, :]
-        i = self.starts.to(torch.int64)[:, None] + j - self.seen.to(torch.int64)[:, None]     # [B, S]
-        count = t if new_lengths is None else torch.tensor(n, dtype=torch.int64, device=self.device)[:, None]
-        write = ((i >= 0) & (i < count))[:, None, :, None]
-        take = i.clamp(min=0, max=t - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.codec.head_dim)
-        for rows, x in ((self.first_k, k), (self.first_v, v)):
-            rows.copy_(torch.where(write, x.gather(2, take).to(self.exact_dtype), rows))
 
     # -- persistence (persist.py: a safetensors file, no pickle) ----------------------
     def save(self, path) -> None:

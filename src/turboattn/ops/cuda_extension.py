@@ -56,3 +56,18 @@ def build_extension() -> bool:
 def capable(device: torch.device) -> bool:
     """Whether `device` is a GPU the kernels run on (sm_80 or newer)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@lru_cache(maxsize=None)
+def _counter_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for a kernel whose last CTA finishes the call (the decode merge: one per
+    (sequence, KV head); quantize-append's length update: one), for calls on a layout that brings none (a cache
+    brings its merge_counters).  One buffer per device and stream (kernels in flight on two streams must not share
+    them); every kernel leaves its counters at zero again, so kernels on one stream can share a buffer."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    size = 1 << max(needed - 1, 0).bit_length()  # powers of two: few buffers as batches vary
+    return _counter_buffer(device, stream, max(size, 64))

@@ -27,6 +27,7 @@ from ..format.codec import KVCodec
 from ..format.layout import CacheLayout
 from . import backend, cached, flash, quantize  # noqa: F401  (the packages register their implementations)
 from .cached.config import DecodePlan, plan_decode
+from .quantize.naive import advance_lengths
 
 
 @lru_cache(maxsize=None)
@@ -56,42 +57,58 @@ def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, 
 def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
                     seen: Tensor, starts: Tensor, new_lengths: Tensor | None, key_shift: Tensor | None,
                     key_gain: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
-                    scale_rule: str, nonfinite: Tensor, impl: str) -> None:
-    """Code k, v [B, Hkv, T, D] into the slots after seen[b] (seen itself is the caller's to advance; a contiguous
-    cache stores the tokens that fit in its capacity, a ring the last ones);
-    nonfinite [B] int32 counts the vectors stored with a NaN or infinity."""
+                    scale_rule: str, nonfinite: Tensor, merge_counters: Tensor | None, recent_k: Tensor | None,
+                    recent_v: Tensor | None, exact_recent: int, first_k: Tensor | None, first_v: Tensor | None,
+                    exact_first: int, impl: str) -> None:
+    """Store k, v [B, Hkv, T, D] (new_lengths[b] of them real, default all T) in a cache: code them into the slots
+    after seen[b] (a contiguous cache stores the tokens that fit in its capacity, a ring the last ones) and copy the
+    ones the exact rows keep into recent_k / recent_v and first_k / first_v (format/layout.py; None, None, 0
+    without them).  seen is read, not advanced: run_quantize_append advances it after the op.  nonfinite [B]
+    int32 counts the vectors stored with a NaN or infinity; merge_counters: written during the call (zero before
+    and after)."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
-                     nonfinite=nonfinite)
-    _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl)
+                     nonfinite=nonfinite, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
+                     exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first)
+    _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl, advance=False)
 
 
 def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int, v_bits: int,
-               scale_rule: str, impl: str) -> None:
-    """quantize_append's body on a layout."""
+               scale_rule: str, impl: str, advance: bool) -> None:
+    """quantize_append's body on a layout; advance: the implementation also advances seen (the CUDA kernel in the
+    same launch)."""
     codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, layout.k_scales.dtype)
     with _on(k.device):
-        backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths)
+        backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths, advance)
 
 
 def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int,
                         v_bits: int, scale_rule: str, impl: str) -> None:
-    """The quantize_append op on a cache's layout (the fields it reads spelled out under torch.compile)."""
+    """Append k, v to a cache's layout: codes, exact rows, and seen advanced by the real tokens.  Eagerly one call
+    (one launch on the CUDA path).  Under torch.compile the op stores and a traced in-place add advances seen: an
+    op that mutated seen itself was miscompiled by inductor (torch 2.11, CUDA), which recomputed a value read from
+    seen before the op (transformers' past_seen_tokens, inside a later layer's fused RoPE) from the advanced
+    tensor; an aten add is a mutation inductor orders correctly."""
     if torch.compiler.is_compiling():
         torch.ops.turboattn.quantize_append(
             k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
             new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, k_bits, v_bits, scale_rule,
-            layout.nonfinite, impl)
+            layout.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent,
+            layout.first_k, layout.first_v, layout.exact_first, impl)
+        advance_lengths(layout, new_lengths, k.shape[2])
     else:
-        _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl)
+        _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl, advance=True)
 
 
-quantize_append = torch.library.custom_op("turboattn::quantize_append", _quantize_append,
-                                          mutates_args=("k_codes", "k_scales", "v_codes", "v_scales", "nonfinite"))
+quantize_append = torch.library.custom_op(
+    "turboattn::quantize_append", _quantize_append,
+    mutates_args=("k_codes", "k_scales", "v_codes", "v_scales", "nonfinite", "merge_counters", "recent_k",
+                  "recent_v", "first_k", "first_v"))
 
 
 @quantize_append.register_fake
 def _(k, v, k_codes, k_scales, v_codes, v_scales, seen, starts, new_lengths, key_shift, key_gain, sliding_window,
-      k_bits, v_bits, scale_rule, nonfinite, impl) -> None:
+      k_bits, v_bits, scale_rule, nonfinite, merge_counters, recent_k, recent_v, exact_recent, first_k, first_v,
+      exact_first, impl) -> None:
     return None
 
 

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ..args import batch_by_length, choices, positive_int, preset
+from ..args import batch_by_length, choices, non_negative_int, positive_int, preset
 from .args import add_out
 from .common import environment, print_table, require_cuda, write_results
 
@@ -52,6 +52,12 @@ def add_arguments(parser) -> None:
                         help="decoder layers (default: the model shape's)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per generate measurement (median)")
     parser.add_argument("--bits", type=preset, default="k4v4", help="bits of the turboattn cache")
+    parser.add_argument("--exact-first", type=non_negative_int, default=0, metavar="S",
+                        help="exact first tokens of the turboattn cache (the quality presets keep 4)")
+    parser.add_argument("--exact-recent", type=non_negative_int, default=0, metavar="R",
+                        help="exact recent window of the turboattn cache (the quality presets keep 8 or 64)")
+    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the turboattn cache's scale dtype (the quality presets use bfloat16)")
     parser.add_argument("--prefill-chunk", type=positive_int, default=65536, metavar="TOKENS",
                         help="loop paths: prompt tokens per prefill forward, all sequences together (generate paths "
                              "prefill in one forward)")
@@ -149,6 +155,8 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
 
     from ...hf import TurboQuantCache
     config = model.config
+    options = dict(exact_first=args.exact_first, exact_recent=args.exact_recent,
+                   scale_dtype=getattr(torch, args.scale_dtype))
     b, context = ids.shape
     tokens = context + args.new_tokens + 4
     model.config._attn_implementation = "turboattn" if path.startswith("turboattn") else "sdpa"
@@ -164,11 +172,11 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
         kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens)
     elif path == "turboattn":
         ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
-                                   lambda: TurboQuantCache(config, k_bits, v_bits), disable_compile=True)
+                                   lambda: TurboQuantCache(config, k_bits, v_bits, **options), disable_compile=True)
         kv_bytes = cache.nbytes
     elif path == "turboattn-compiled":
         ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
-                                   lambda: TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens))
+                                   lambda: TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens, **options))
         kv_bytes = cache.nbytes
     elif path == "bf16-loop":
         ms = _time_loop(model, ids, args.new_tokens, DynamicCache(config=config), args.prefill_chunk)
@@ -178,11 +186,11 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
                         args.prefill_chunk, compiled=True)
         kv_bytes = _bf16_cache_bytes(config, b, tokens)
     elif path == "turboattn-compiled-loop":
-        cache = TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens)
+        cache = TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens, **options)
         ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk, compiled=True)
         kv_bytes = cache.nbytes
     else:
-        cache = TurboQuantCache(config, k_bits, v_bits)
+        cache = TurboQuantCache(config, k_bits, v_bits, **options)
         ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk)
         kv_bytes = cache.nbytes
     return {"ms_per_token": ms, "kv_cache_gib": kv_bytes / 2**30}
@@ -214,7 +222,8 @@ def run(args) -> int:
     rows = [[r["batch"], r["context"], r["path"], "OOM" if r["ms_per_token"] is None else r["ms_per_token"],
              "-" if r["kv_cache_gib"] is None else r["kv_cache_gib"], "-" if r["peak_gib"] is None else r["peak_gib"]]
             for r in results]
-    print_table(f"generate, {args.model} shape, {env['gpu']}, k{k_bits}v{v_bits}",
+    exact = f", exact first {args.exact_first} + recent {args.exact_recent}" if args.exact_first + args.exact_recent else ""
+    print_table(f"generate, {args.model} shape, {env['gpu']}, k{k_bits}v{v_bits}{exact}, {args.scale_dtype} scales",
                 ["B", "context", "path", "ms / new token", "KV cache GiB", "peak GiB"], rows)
     payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "results": results}
     write_results(args.out, f"generate_{args.model}", payload)

@@ -1,7 +1,8 @@
 """`turboattn bench quantize`: fused quantize-and-append, a prefill vs copy bandwidth and a decode step's append.
 
 Prefill rows time one `cache.append(k, v)` of a whole prompt (bf16 in; bytes = K and V read + codes and scales
-written).  Decode rows time an append of a few tokens per sequence as a decode step does it: "graph" is GPU time
+written).  Decode rows time an append of a few tokens per sequence as a decode step does it (also into a cache
+with the quality presets' exact rows and bfloat16 scales): "graph" is GPU time
 (CUDA-graph replays of 10 appends, launch overhead excluded), "eager" the wall time per call of back-to-back eager
 appends (host time where that is the larger).  Each row runs on every implementation of `--backends`.  The caches
 are static, so the lengths can be reset on the device between calls (a reset of the whole cache would be timed too).
@@ -22,8 +23,10 @@ from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, 
 PREFILL_CASES = [(1, 8, 128, 32768, (4, 4)), (1, 8, 128, 32768, (8, 8)), (1, 8, 128, 32768, (5, 3)),
                  (1, 8, 128, 32768, (4, 3)), (1, 8, 256, 16384, (4, 4)), (1, 2, 512, 32768, (4, 4)),
                  (1, 3, 64, 32768, (4, 4))]
-DECODE_CASES = [(1, 8, 128, 1, (4, 4)), (8, 8, 128, 1, (4, 4)), (8, 8, 128, 16, (4, 4)), (32, 8, 128, 1, (4, 4)),
-                (8, 3, 64, 1, (4, 3)), (8, 8, 256, 1, (5, 3))]
+# ... and the exact rows (first tokens, recent window) the quality presets keep, with bfloat16 scales (QUALITY.md)
+DECODE_CASES = [(1, 8, 128, 1, (4, 4), (0, 0)), (8, 8, 128, 1, (4, 4), (0, 0)), (8, 8, 128, 16, (4, 4), (0, 0)),
+                (32, 8, 128, 1, (4, 4), (0, 0)), (8, 3, 64, 1, (4, 3), (0, 0)), (8, 8, 256, 1, (5, 3), (0, 0)),
+                (8, 8, 128, 1, (4, 3), (4, 64)), (8, 3, 64, 1, (4, 3), (4, 64)), (8, 1, 256, 1, (5, 3), (4, 8))]
 BACKENDS = ("auto", "triton")   # auto: the CUDA kernel where it serves (head_dim 64 / 128 / 256 / 512)
 DECODE_CAPACITY = 4096
 
@@ -57,8 +60,11 @@ def _prefill_row(case, backend, device, copy_tbs) -> dict:
 
 
 def _decode_row(case, backend, device) -> dict:
-    b, hkv, d, t, bits = case
-    cache = QuantizedKVCache(KVCodec(d, *bits), b, hkv, capacity=DECODE_CAPACITY, device=device, static=True)
+    b, hkv, d, t, bits, (first, recent) = case
+    exact = first + recent > 0
+    codec = KVCodec(d, *bits, scale_dtype=torch.bfloat16 if exact else torch.float32)
+    cache = QuantizedKVCache(codec, b, hkv, capacity=DECODE_CAPACITY, device=device, static=True, exact_first=first,
+                             exact_recent=recent, exact_dtype=torch.bfloat16)
     k, v = _inputs(b, hkv, d, t, device)
     calls = 10
 
@@ -75,7 +81,8 @@ def _decode_row(case, backend, device) -> dict:
     torch.cuda.synchronize()
     eager_us = (time.perf_counter() - start) / (20 * calls) * 1e6
     return {"kind": "decode", "backend": backend, "B": b, "Hkv": hkv, "D": d, "T": t, "k_bits": bits[0],
-            "v_bits": bits[1], "graph_us": graph_us, "eager_us": eager_us}
+            "v_bits": bits[1], "exact_first": first, "exact_recent": recent, "graph_us": graph_us,
+            "eager_us": eager_us}
 
 
 def run(args) -> int:
@@ -91,8 +98,9 @@ def run(args) -> int:
                 [[r["backend"], r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}", r["us"], r["tbs"],
                   f"{100 * r['frac_copy']:.0f}%"] for r in results if r["kind"] == "prefill"])
     print_table(f"quantize-and-append of a decode step, {env['gpu']}",
-                ["backend", "B", "Hkv", "D", "T", "bits", "graph µs", "eager µs"],
-                [[r["backend"], r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}", r["graph_us"],
-                  r["eager_us"]] for r in results if r["kind"] == "decode"])
+                ["backend", "B", "Hkv", "D", "T", "bits", "exact rows", "graph µs", "eager µs"],
+                [[r["backend"], r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}",
+                  f"first {r['exact_first']} + recent {r['exact_recent']}" if r["exact_first"] + r["exact_recent"]
+                  else "-", r["graph_us"], r["eager_us"]] for r in results if r["kind"] == "decode"])
     write_results(args.out, "quantize", {"env": env, "copy_tbs": copy_tbs, "results": results})
     return 0

@@ -19,7 +19,7 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from ..cuda_extension import capable, extension
+from ..cuda_extension import arrival_counters, capable, extension
 from .config import CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
 from .triton import cached_attention_triton, part_buffers, query_scale
 
@@ -32,19 +32,6 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     exact rows)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
     return cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(q.device)
-
-
-@lru_cache(maxsize=None)
-def _counter_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
-    """Zeroed arrival counters of the fused merge, one per (sequence, KV head), per device and stream (kernels
-    in flight on two streams must not share them); every merge leaves its counter at zero again."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream
-    size = 1 << max(needed - 1, 0).bit_length()  # powers of two: few buffers as batches vary
-    return _counter_buffer(device, stream, max(size, 64))
 
 
 def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
@@ -82,7 +69,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     recent = _row_pair(layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
     first = _row_pair(layout.first_k, layout.first_v) if layout.exact_first else (None, None)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
-    counters = layout.merge_counters if layout.merge_counters is not None else _counters(dev, b * hkv)
+    counters = layout.merge_counters if layout.merge_counters is not None else arrival_counters(dev, b * hkv)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     ext.decode(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,

@@ -10,6 +10,13 @@
 #include "decode.h"
 #include "quantize.h"
 
+namespace {
+// The kernels' dtype codes: 0 float16, 1 bfloat16, 2 float32.
+int dtype_code(const torch::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? 0 : (t.scalar_type() == at::kBFloat16 ? 1 : 2);
+}
+}  // namespace
+
 void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
             const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
             const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv, const torch::Tensor& signs,
@@ -26,9 +33,6 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
   p.q_stride_b = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.q_stride_t = q.stride(2);
-  auto dtype_code = [](const torch::Tensor& t) {
-    return t.scalar_type() == at::kHalf ? 0 : (t.scalar_type() == at::kBFloat16 ? 1 : 2);
-  };
   p.q_dtype = dtype_code(q);
   p.k_codes = k_codes.data_ptr<uint8_t>();
   p.k_scales = k_scales.data_ptr();
@@ -121,9 +125,12 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
                      const torch::Tensor& k_bounds, const torch::Tensor& k_grid, double k_grid_lo, double k_grid_scale,
                      const torch::Tensor& v_centroids, const torch::Tensor& v_bounds, const torch::Tensor& v_grid,
                      double v_grid_lo, double v_grid_scale, const torch::Tensor& signs, const c10::optional<torch::Tensor>& key_shift,
-                     const c10::optional<torch::Tensor>& key_gain, const torch::Tensor& seen,
-                     const c10::optional<torch::Tensor>& new_lengths, const c10::optional<torch::Tensor>& nonfinite,
-                     int64_t k_bits, int64_t v_bits, int64_t rule, bool ring) {
+                     const c10::optional<torch::Tensor>& key_gain, torch::Tensor& seen, const torch::Tensor& starts,
+                     const c10::optional<torch::Tensor>& arrivals, const c10::optional<torch::Tensor>& new_lengths,
+                     const c10::optional<torch::Tensor>& nonfinite, const c10::optional<torch::Tensor>& recent_k,
+                     const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
+                     const c10::optional<torch::Tensor>& first_v, int64_t k_bits, int64_t v_bits, int64_t rule,
+                     bool ring) {
   turboattn::QuantizeParams p{};
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -133,7 +140,7 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.v_stride_b = v.stride(0);
   p.v_stride_h = v.stride(1);
   p.v_stride_t = v.stride(2);
-  p.in_dtype = k.scalar_type() == at::kHalf ? 0 : (k.scalar_type() == at::kBFloat16 ? 1 : 2);
+  p.in_dtype = dtype_code(k);
   p.k_codes = k_codes.data_ptr<uint8_t>();
   p.k_scales = k_scales.data_ptr();
   p.v_codes = v_codes.data_ptr<uint8_t>();
@@ -155,11 +162,29 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.key_shift = key_shift.has_value() ? key_shift->data_ptr<float>() : nullptr;
   p.key_gain = key_gain.has_value() ? key_gain->data_ptr<float>() : nullptr;
   p.seen = seen.data_ptr<int>();
+  p.arrivals = arrivals.has_value() ? arrivals->data_ptr<int>() : nullptr;  // none: seen is the caller's to advance
   p.new_lengths = new_lengths.has_value() ? new_lengths->data_ptr<int>() : nullptr;
   p.nonfinite = nonfinite.has_value() ? nonfinite->data_ptr<int>() : nullptr;
+  p.starts = starts.data_ptr<int>();
+  // Exact rows: unit stride along D, one dtype (quantize/cuda.py makes sure); each tensor's own strides.
+  auto exact_rows = [&](const c10::optional<torch::Tensor>& k_rows, const c10::optional<torch::Tensor>& v_rows,
+                        void* (&ptr)[2], long long (&stride)[2][3]) {
+    if (!k_rows.has_value()) return 0;
+    const torch::Tensor* rows[2] = {&*k_rows, &*v_rows};
+    for (int side = 0; side < 2; ++side) {
+      ptr[side] = rows[side]->data_ptr();
+      for (int i = 0; i < 3; ++i) stride[side][i] = rows[side]->stride(i);
+    }
+    p.exact_dtype = dtype_code(*k_rows);
+    return static_cast<int>(k_rows->size(2));
+  };
+  const int recent_rows = exact_rows(recent_k, recent_v, p.recent, p.recent_stride);
+  p.exact_recent = recent_rows > 0 ? recent_rows - 1 : 0;  // R rows and the scratch row
+  p.exact_first = exact_rows(first_k, first_v, p.first, p.first_stride);
   p.k_bits = static_cast<int>(k_bits);
   p.v_bits = static_cast<int>(v_bits);
   p.rule = static_cast<int>(rule);
+  p.batch = k.size(0);
   p.tokens = k.size(2);
   p.capacity = k_codes.size(2);
   p.num_kv_heads = k_codes.size(1);
@@ -174,7 +199,7 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "split-K decode over K and V codes of TURBOATTN_BIT_PAIRS (float32 or bfloat16 scales, exact rows), "
         "D = 64 / 128 / 256");
-  m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes and scales, "
-        "D = 64 / 128 / 256 / 512, every bit width");
+  m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes, scales and exact "
+        "rows, advancing its lengths; D = 64 / 128 / 256 / 512, every bit width");
   m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
 }

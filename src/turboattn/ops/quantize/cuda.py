@@ -1,6 +1,7 @@
 """The CUDA fast path of quantize-append (csrc/quantize.cu): head_dim 64/128/256/512, every bit width, scale rule
-and scale dtype, key transform, rings, per-sequence lengths and the non-finite count, in one launch.  Other head
-dims, GPUs before sm_80 and machines where the extension cannot be built go to the Triton kernel."""
+and scale dtype, key transform, rings, per-sequence lengths, the non-finite count, the exact rows and the lengths'
+advance, in one launch.  Other head dims, GPUs before sm_80 and machines where the extension cannot be built go to
+the Triton kernel."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
-from ..cuda_extension import capable, extension
+from ..cuda_extension import arrival_counters, capable, extension
 from .config import boundary_grid
 from .triton import quantize_append_triton
 
@@ -49,19 +50,25 @@ def _tables(k_bits: int, v_bits: int, head_dim: int, device: torch.device) -> tu
 
 
 def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
-                         new_lengths: torch.Tensor | None) -> None:
-    """quantize_append_triton's contract; runs the CUDA kernel when it serves the call."""
+                         new_lengths: torch.Tensor | None, advance: bool = True) -> None:
+    """quantize_append_naive's contract in one launch (codes, exact rows, lengths) when the kernel serves the call;
+    the Triton path otherwise."""
     d = codec.head_dim
     ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(k.device) else None
-    if ext is None:
-        quantize_append_triton(k, v, layout, codec, new_lengths)
+    recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
+    first = (layout.first_k, layout.first_v) if layout.exact_first and layout.first_k is not None else (None, None)
+    if ext is None or not all(x is None or x.stride(3) == 1 for x in (*recent, *first)):
+        quantize_append_triton(k, v, layout, codec, new_lengths, advance)
         return
     if k.dtype != v.dtype:
         v = v.to(k.dtype)
     k, v = _aligned(k), _aligned(v)
     transform = layout.has_key_transform
+    # The arrival counter of the lengths' advance (None: the kernel leaves seen alone).
+    counters = None if not advance else layout.merge_counters if layout.merge_counters is not None else \
+        arrival_counters(k.device, 1)
     ext.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
                         *_tables(codec.k_bits, codec.v_bits, d, k.device),
                         layout.key_shift if transform else None, layout.key_gain if transform else None,
-                        layout.seen, new_lengths, layout.nonfinite, codec.k_bits, codec.v_bits, codec.scale_rule_id,
-                        layout.is_ring)
+                        layout.seen, layout.starts, counters, new_lengths, layout.nonfinite, *recent, *first,
+                        codec.k_bits, codec.v_bits, codec.scale_rule_id, layout.is_ring)

@@ -1,4 +1,5 @@
-"""Fused rotate + norm + quantize + pack + cache write, one launch per append.
+"""Fused rotate + norm + quantize + pack + code write, one launch per append (the exact rows and the lengths
+are torch ops around it: naive.py).
 
 Grid: (token blocks, B * Hkv, 2); the last axis picks K or V.  Each program
 rotates BLOCK_T vectors on tensor cores (common.hadamard_rows), computes the
@@ -34,6 +35,7 @@ from ..triton_lib import hadamard_tile, kron_rows, kron_tile, load_padded_vector
 from ..cached.config import check_kernel_head_dim
 from ..launch import cdiv
 from .config import boundary_grid, plan_quantize
+from .naive import advance_lengths, store_exact_rows
 
 
 # Cell search by a uniform grid over u in [GRID_LO, -GRID_LO): grid cell g holds the
@@ -282,11 +284,13 @@ def cell_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
-                           new_lengths: torch.Tensor | None) -> None:
-    """Write k, v [B, Hkv, T, D] into each sequence's next slots (layout.seen is not advanced here).
+                           new_lengths: torch.Tensor | None, advance: bool = True) -> None:
+    """Append k, v [B, Hkv, T, D] to the cache (naive.quantize_append_naive's contract): the kernel codes the
+    tokens, torch ops copy the exact rows and advance the lengths.
 
     k is in the model's domain: the kernel applies the key transform, if any."""
     check_kernel_head_dim("quantize_append", codec.head_dim)
+    store_exact_rows(k, v, layout, new_lengths)   # reads seen before the append, as the kernel does
     key_xform = layout.has_key_transform
     d = codec.head_dim
     m, m_pad = padded_factor(d)
@@ -319,3 +323,5 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
         KEY_XFORM=key_xform, COUNT=layout.nonfinite is not None, BF16_SCALES=bf16_scales, M=m, MP=m_pad,
         num_warps=plan.num_warps,
     )
+    if advance:
+        advance_lengths(layout, new_lengths, t)

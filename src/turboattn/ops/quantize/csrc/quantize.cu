@@ -16,6 +16,11 @@
 // the w-bit slices of four consecutive indices at coordinate j + k P (byte j of a plane holds coordinate j + k P at
 // bit k w).  Tokens are read once and codes written once, so the kernel streams; CTAs loop over token blocks so
 // that the tables they stage in shared memory serve many tokens.
+//
+// One launch does the whole append: the cache's exact rows (recent window, first tokens) take the raw vectors of
+// the tokens they keep, and the last CTA to finish advances the lengths (an arrival counter: every CTA has read
+// them by then), so a decode step's append is one kernel, also inside a CUDA graph.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -370,8 +375,45 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
   }
 }
 
+// Copy one side's real tokens that the exact rows keep (format/layout.py), raw (the model's domain), converted to the
+// exact dtype (round to nearest even, as torch's .to()), whether or not the codes had room: the last R of the chunk
+// into rows (seen + t) % R, and the tokens at positions start .. start + S - 1 into rows 0 .. S - 1.  At most R + S
+// tokens per sequence: element by element, over the CTAs of this (sequence, KV head, side), after their coding.
+template <int DTYPE>
+__device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int h, int n_new, int slot0, int start,
+                                int head_dim) {
+  const int side = is_key ? 0 : 1;
+  const long long in0 = b * (is_key ? p.k_stride_b : p.v_stride_b) + h * (is_key ? p.k_stride_h : p.v_stride_h);
+  const long long in_t = is_key ? p.k_stride_t : p.v_stride_t;
+  const void* in = is_key ? p.k : p.v;
+  auto copy = [&](void* rows, const long long (&st)[3], int t_lo, int t_hi, int row_offset, int modulo) {
+    const long long out0 = b * st[0] + h * st[1];
+    const int count = (t_hi - t_lo) * head_dim;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+      const int t = t_lo + i / head_dim, d = i % head_dim;
+      const long long at = in0 + t * in_t + d;
+      float x;
+      if constexpr (DTYPE == 2) x = static_cast<const float*>(in)[at];
+      else if constexpr (DTYPE == 1) x = __bfloat162float(static_cast<const __nv_bfloat16*>(in)[at]);
+      else x = __half2float(static_cast<const __half*>(in)[at]);
+      int row = t + row_offset;
+      if (modulo > 0) row %= modulo;
+      const long long out = out0 + row * st[2] + d;
+      if (p.exact_dtype == 2) static_cast<float*>(rows)[out] = x;
+      else if (p.exact_dtype == 1) static_cast<__nv_bfloat16*>(rows)[out] = __float2bfloat16_rn(x);
+      else static_cast<__half*>(rows)[out] = __float2half_rn(x);
+    }
+  };
+  if (p.exact_recent > 0)
+    copy(p.recent[side], p.recent_stride[side], max(n_new - p.exact_recent, 0), n_new, slot0, p.exact_recent);
+  if (p.exact_first > 0)
+    copy(p.first[side], p.first_stride[side], max(start - slot0, 0), max(min(start - slot0 + p.exact_first, n_new), 0),
+         slot0 - start, 0);
+}
+
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
-// (the cell grid, boundaries, centroids and signs: at most 4 KB) and loops over token blocks gridDim.x apart.
+// (the cell grid, boundaries, centroids and signs: at most 4 KB), loops over token blocks gridDim.x apart, and
+// arrives on p.arrivals when done.
 template <int D, int PL, int DTYPE>
 __global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const QuantizeParams p) {
   __shared__ __align__(16) uint8_t grid[MAX_GRID];
@@ -394,6 +436,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const Q
   const int n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
   const int first = p.ring ? max(n_new - p.capacity, 0) : 0;  // a ring keeps only the last N of a long chunk
   const int slot0 = p.seen[b];
+  const int start = p.exact_first > 0 ? p.starts[b] : 0;  // read with seen, before any CTA can move it
   __syncthreads();
   const Tables tab{grid, bounds, centroids, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
                    is_key ? p.k_grid_scale : p.v_grid_scale, grid_size};
@@ -405,6 +448,18 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const Q
     case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
     case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
     case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+  }
+  if (p.exact_recent > 0 || p.exact_first > 0)
+    copy_exact_rows<DTYPE>(p, is_key, b, bh % p.num_kv_heads, n_new, slot0, start, D);
+  // The last CTA to arrive advances the lengths.  Every thread read them (slot0) at the start and used the value
+  // before this barrier, so no read can still be pending when the count completes: no fence is needed, and the
+  // updates are fire-and-forget reductions (nothing in this launch reads them back).
+  if (p.arrivals == nullptr) return;  // the caller advances the lengths
+  __syncthreads();
+  if (threadIdx.x == 0 &&
+      atomicAdd(p.arrivals, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
+    for (int i = 0; i < p.batch; ++i) atomicAdd(p.seen + i, p.new_lengths ? p.new_lengths[i] : p.tokens);
+    *p.arrivals = 0;  // ready for the next launch (and the next replay of a captured graph)
   }
 }
 

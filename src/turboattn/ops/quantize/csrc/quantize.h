@@ -30,11 +30,27 @@ struct QuantizeParams {
   const float* signs;      // [D]
   const float* key_shift;  // [B, Hkv, D] float32 or nullptr: keys are coded as (k - shift) * gain
   const float* key_gain;
-  const int* seen;         // [B]: slot of token 0 is seen[b] (modulo the capacity for a ring)
+  // [B]: token 0 of sequence b is position seen[b], in slot seen[b] (modulo the capacity for a ring).  Read by every
+  // CTA as it starts; the last CTA to finish advances it by the real tokens (arrivals: a zeroed counter, left zero;
+  // nullptr: the caller advances it).
+  int* seen;
+  int* arrivals;
   const int* new_lengths;  // [B] real tokens per sequence, or nullptr (all T)
   int* nonfinite;          // [B] vectors stored with a NaN or infinity, or nullptr
+  // Exact rows (format/layout.py), written in the model's domain (before the key transform) in exact_dtype
+  // (0 float16, 1 bfloat16, 2 float32), unit stride along D, whether or not the codes have room: the recent window
+  // [B, Hkv, R + 1, D] (position p in row p % R; each sequence's last min(n, R) real tokens) and the first rows
+  // [B, Hkv, S, D] (position starts[b] + j in row j).  nullptr / 0 without them.
+  void* recent[2];  // K, V
+  long long recent_stride[2][3];  // per side: b, h, t
+  int exact_recent;
+  void* first[2];
+  long long first_stride[2][3];
+  int exact_first;
+  const int* starts;  // [B]
+  int exact_dtype;
   int k_bits, v_bits, rule;  // rule: 0 rms, 1 corrected, 2 lsq (format/codec.py SCALE_RULES)
-  int tokens, capacity, num_kv_heads, ring;
+  int batch, tokens, capacity, num_kv_heads, ring;
 };
 
 constexpr int MAX_GRID = 1024;  // cells of the largest grid (8-bit codes)
