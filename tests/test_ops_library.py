@@ -71,6 +71,30 @@ def test_opcheck_quantize_append(impl, exact_recent, exact_first, gen):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_quantize_append_op_leaves_seen_to_its_caller(impl, gen):
+    """The torch op (what torch.compile traces) codes and copies the exact rows but does not advance `seen`: inductor
+    miscompiled an op that did (ops/library.py run_quantize_append); the traced path then advances it with an aten
+    add, and the eager path in the same call.  Both give the cache of a plain append."""
+    from turboattn.ops.library import run_quantize_append
+
+    k, v = (torch.randn(2, 2, 3, 64, generator=gen) for _ in range(2))
+    via_op, eager, plain = (_cache(torch.Generator().manual_seed(0), exact_recent=5, exact_first=24) for _ in range(3))
+    layout = via_op.layout
+    torch.ops.turboattn.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
+                                        layout.seen, layout.starts, None, None, None, None, 4, 3, "corrected",
+                                        via_op.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v,
+                                        layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, impl)
+    assert via_op.seen.tolist() == [21, 21]
+    via_op.seen += 3
+    run_quantize_append(k, v, eager.layout, None, 4, 3, "corrected", impl)
+    assert eager.seen.tolist() == [24, 24]
+    plain.append(k, v, backend=impl)
+    for name in ("k_codes", "k_scales", "v_codes", "v_scales", "seen", "recent_k", "recent_v", "first_k", "first_v"):
+        assert torch.equal(getattr(via_op, name), getattr(plain, name)), name
+        assert torch.equal(getattr(eager, name), getattr(plain, name)), name
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_opcheck_flash_attention(impl, return_lse, gen):
     q = torch.randn(1, 4, 5, 64, generator=gen).half()
