@@ -553,7 +553,8 @@ class QuantizedKVCache:
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
         layout = self.layout
         if self.exact_first and self._first_rows_full():
-            layout.first_k = layout.first_v = None   # every first row is written: nothing for the op to copy
+            # Every first row is written: the op has none to copy (this layout is the append's alone).
+            layout.first_k, layout.first_v, layout.exact_first = None, None, 0
         run_quantize_append(k, v, layout, n_dev, self.codec.k_bits, self.codec.v_bits, self.codec.scale_rule, impl)
         if self.is_static:
             self._empty = False

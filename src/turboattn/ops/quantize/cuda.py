@@ -56,7 +56,7 @@ def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, 
     d = codec.head_dim
     ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(k.device) else None
     recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
-    first = (layout.first_k, layout.first_v) if layout.exact_first and layout.first_k is not None else (None, None)
+    first = (layout.first_k, layout.first_v) if layout.exact_first else (None, None)
     if ext is None or not all(x is None or x.stride(3) == 1 for x in (*recent, *first)):
         quantize_append_triton(k, v, layout, codec, new_lengths, advance)
         return

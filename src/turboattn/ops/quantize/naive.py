@@ -55,11 +55,10 @@ def advance_lengths(layout: CacheLayout, new_lengths: torch.Tensor | None, t: in
 
 def store_exact_rows(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, new_lengths: torch.Tensor | None) -> None:
     """Copy the real tokens that the exact rows keep into them (raw: the model's domain), positions from the device
-    `seen` before the append (no sync).  layout.first_k None: no first rows to write (also when a growing cache
-    knows every one of them is written already)."""
+    `seen` before the append (no sync)."""
     if layout.exact_recent:
         _store_recent(k, v, layout, new_lengths)
-    if layout.exact_first and layout.first_k is not None:
+    if layout.exact_first:
         _store_first(k, v, layout, new_lengths)
 
 
