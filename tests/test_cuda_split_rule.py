@@ -1,4 +1,5 @@
-"""The CUDA decode kernel's split rules (ops/cached/config.cuda_num_splits, cuda_exact_splits): the properties their
+"""The CUDA decode kernel's split and merge rules (ops/cached/config.cuda_num_splits, cuda_exact_splits,
+cuda_merge_group): the properties their
 docstrings state,
 over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
 BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
@@ -6,8 +7,10 @@ BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboattn.ops.cached.config import (CUDA_EXACT_TAIL_KEYS, CUDA_MAX_SPLITS, CUDA_MIN_KEYS_PER_SPLIT,
-                                         CUDA_SHORT_SPLIT, cuda_exact_splits, cuda_num_splits)
+from turboattn.ops.cached.config import (CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS,
+                                         CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_WIDE, CUDA_MIN_KEYS_PER_SPLIT,
+                                         CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT, cuda_exact_splits, cuda_merge_group,
+                                         cuda_num_splits)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -15,10 +18,10 @@ TOKENS = st.integers(1, 1 << 20)
 
 
 @settings(max_examples=500, deadline=None)
-@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS)
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256, 512]), TOKENS)
 def test_split_rule_bounds(resident, bkv, d, tokens):
     splits = cuda_num_splits(resident, bkv, d, tokens)
-    assert 1 <= splits <= CUDA_MAX_SPLITS
+    assert 1 <= splits <= (CUDA_MAX_SPLITS_WIDE if d == 512 else CUDA_MAX_SPLITS)
     # At most one wave of resident CTAs (a single split when even one per (sequence, KV head) is more).
     assert splits == 1 or splits * bkv <= resident
     # Splits of at least CUDA_MIN_KEYS_PER_SPLIT keys.
@@ -49,6 +52,27 @@ def test_split_rule_at_the_measured_shapes():
     assert cuda_num_splits(528, 64, 128, 1024) == 4       # short context: 256-key splits
     assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
     assert cuda_num_splits(264, 64, 256, 8192) == 4
+    assert cuda_num_splits(528, 2, 512, 32768) == 128     # D=512, one sequence x 2 KV heads: the wide cap
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, CUDA_MAX_PARTS), st.integers(1, 8), st.sampled_from([64, 128, 256, 512]))
+def test_merge_groups_fit_the_counters(parts, rows, d):
+    """One level while the parts are small; otherwise groups that the kernel's counters cover (at most
+    CUDA_COUNTERS_PER_HEAD - 1), each of at least one part, none empty."""
+    size = cuda_merge_group(parts, rows, d)
+    groups = -(-parts // size)
+    assert 1 <= size <= parts
+    assert groups <= CUDA_COUNTERS_PER_HEAD - 1
+    assert (groups == 1) == (parts * rows * d <= CUDA_ONE_LEVEL_MERGE or size == parts)
+    assert (groups - 1) * size < parts
+
+
+def test_merge_rule_at_the_measured_shapes():
+    # H100 (BENCHMARKS.md): one level at B=1 D=128 (33 parts x 8 rows) and D=64; two at D=512.
+    assert cuda_merge_group(33, 8, 128) == 33
+    assert cuda_merge_group(22, 3, 64) == 22
+    assert cuda_merge_group(128, 8, 512) == 12
 
 
 @settings(max_examples=500, deadline=None)

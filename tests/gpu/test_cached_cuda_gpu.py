@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (ops/cached/cuda.py, the bit pairs of CUDA_BIT_PAIRS at head_dim 64/128/256) against the
+"""The CUDA decode kernel (ops/cached/cuda.py, the bit pairs of CUDA_BIT_PAIRS at head_dim 64/128/256/512) against the
 float64 reference
 (pytest -m gpu).
 
@@ -15,7 +15,7 @@ from turboattn.ops import backend
 from turboattn.ops.cached import cuda
 from turboattn.ops.cuda_extension import extension
 from turboattn.format.codec import SUPPORTED_BITS
-from turboattn.ops.cached.config import CUDA_BIT_PAIRS, CUDA_HEAD_DIMS, cuda_ctas_per_sm
+from turboattn.ops.cached.config import CUDA_BIT_PAIRS, CUDA_COUNTERS_PER_HEAD, CUDA_HEAD_DIMS, cuda_ctas_per_sm
 from turboattn.ops.cached.naive import cached_attention_naive
 
 from gpu_decode_inputs import decode_inputs, poison_allocator, rel_error
@@ -45,8 +45,9 @@ def test_the_extension_builds():
     assert backend.choose("cached_attention", "auto", torch.device("cuda")) == "cuda"
 
 
-# Other head dims: the kernel's per-dim code paths (fragment words, output tiles, q fragments in shared memory).
-HEAD_DIM_CASES = [(d, CASES[i]) for d in (64, 256) for i in (0, 1, 2, 4, 7, 8)]
+# Other head dims: the kernel's per-dim code paths (fragment words, output tiles, q fragments in shared memory, and
+# at D = 512 the warps' dim slices with their partial scores).
+HEAD_DIM_CASES = [(d, CASES[i]) for d in (64, 256, 512) for i in (0, 1, 2, 4, 7, 8)]
 
 
 # Every built bit pair at every head dim: the per-width fragment code (KeyCodes, ValueCodes, CodeTable), the merge
@@ -87,6 +88,9 @@ OPTION_CASES = [
     (64, (4, 3), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
     (256, (5, 3), torch.bfloat16, dict(exact_recent=8, exact_first=4), 0),
     (128, (6, 6), torch.bfloat16, dict(exact_recent=32), 4),
+    # D = 512: the exact part's threads take two pairs of dims each.
+    (512, (4, 4), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
+    (512, (4, 3), torch.float32, dict(exact_recent=24), 7),
 ]
 
 
@@ -94,6 +98,19 @@ OPTION_CASES = [
                          ids=[f"D{c[0]}-k{c[1][0]}v{c[1][1]}-{str(c[2])[6:]}-{c[3]}-{c[4]}" for c in OPTION_CASES])
 def test_cuda_decode_cache_options(d, bits, scale_dtype, options, i):
     _check_against_reference(CASES[i], d, bits, scale_dtype, options)
+
+
+# The two-level merge (config.cuda_merge_group) forced onto small calls: groups of 1 (every part its own group), 3
+# and 5 parts, with fresh tokens, sinks, key transforms, a ring, exact rows.  (d, bits, options, case, group)
+MERGE_CASES = [(128, dict(), 1, 1), (128, dict(), 1, 3), (128, dict(exact_recent=64, exact_first=4), 1, 5),
+               (64, dict(), 8, 2), (512, dict(), 0, 4)]
+
+
+@pytest.mark.parametrize("d,options,i,group", MERGE_CASES, ids=[f"D{c[0]}-{c[1]}-{c[2]}-g{c[3]}" for c in MERGE_CASES])
+def test_cuda_two_level_merge(d, options, i, group, monkeypatch):
+    monkeypatch.setattr(cuda, "cuda_merge_group",
+                        lambda parts, rows, dim: min(max(group, -(-parts // (CUDA_COUNTERS_PER_HEAD - 1))), parts))
+    _check_against_reference(CASES[i], d, (4, 4), torch.bfloat16 if options else torch.float32, options)
 
 
 def test_planned_residency_matches_the_launch_bound():
@@ -107,6 +124,7 @@ def test_planned_residency_matches_the_launch_bound():
                 assert (built != -1) == ((kb, vb) in CUDA_BIT_PAIRS), (d, kb, vb)
                 if built != -1:
                     assert cuda_ctas_per_sm(d, kb, vb) == built, (d, kb, vb)
+    assert ext.COUNTERS_PER_HEAD == CUDA_COUNTERS_PER_HEAD
 
 
 def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, options=None):
@@ -186,13 +204,16 @@ def _check_nan_rows(got, want_nan, clean):
     assert torch.equal(got[~want_nan.cuda()], clean[~want_nan.cuda()])
 
 
+@pytest.mark.parametrize("merge_group", [None, 2], ids=["one-level", "two-level"])
 @pytest.mark.parametrize("options", [{}, dict(exact_recent=16)], ids=["codes", "exact-window"])
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("value", BAD, ids=["nan", "inf", "-inf"])
-def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options):
+def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options, merge_group, monkeypatch):
     """The last cached position of sequence 0, KV head 0 is poisoned; of two queries ending there, the first
-    does not see it.  3 splits: the NaN must cross the fused merge to exactly its rows.  With an exact window
-    the position is read from the exact rows (the exact part), not from its codes."""
+    does not see it.  3 splits: the NaN must cross the fused merge (both levels of a two-level one) to exactly its
+    rows.  With an exact window the position is read from the exact rows (the exact part), not from its codes."""
+    if merge_group:
+        monkeypatch.setattr(cuda, "cuda_merge_group", lambda parts, rows, d: min(merge_group, parts))
     gen = torch.Generator().manual_seed(7)
     codec = ta.KVCodec(128, 4, 4)
     b, hkv, g, t, tq = 2, 2, 4, 300, 2

@@ -57,6 +57,7 @@ from ..format.codec import KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops.backend import check_backend, choose
+from ..ops.cached.config import CUDA_COUNTERS_PER_HEAD
 from ..ops.device_tables import allocate_device_tables
 from ..ops.library import run_quantize_append
 
@@ -136,7 +137,8 @@ class QuantizedKVCache:
         # Vectors stored with a NaN or infinity, per sequence: counted by the quantize kernel, so that
         # checking costs nothing until someone asks (received_nonfinite).
         self.nonfinite = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
-        self.merge_counters = torch.zeros(batch_size, num_kv_heads, dtype=torch.int32, device=self.device)
+        self.merge_counters = torch.zeros(batch_size, num_kv_heads, CUDA_COUNTERS_PER_HEAD, dtype=torch.int32,
+                                          device=self.device)
         # The exact recent window: position p in row p % R, row R a scratch row for masked writes.
         self.exact_recent = exact_recent
         self.exact_dtype = exact_dtype

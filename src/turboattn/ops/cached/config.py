@@ -8,6 +8,7 @@ for its capacity rather than the current length).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,7 +27,7 @@ MIN_KEYS_PER_SPLIT = 1024
 # The CUDA kernel (cuda.py): the (K bits, V bits) pairs of CUDA_BIT_PAIRS at these head dims, at most 8 query rows
 # per KV head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule
 # (cuda_num_splits) is fitted to split-count sweeps on an H100 (BENCHMARKS.md).
-CUDA_HEAD_DIMS = (64, 128, 256)
+CUDA_HEAD_DIMS = (64, 128, 256, 512)
 # The Triton kernels of the compressed cache (cached attention, quantize-append) serve every head dim of the
 # format: powers of two in the plain layout, the others (D = P * m, m odd) in the padded layout of
 # triton_lib.padded_factor (next_power_of_2(D) columns, the Hartley factor as a small dense product).
@@ -50,8 +51,15 @@ CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
 CUDA_MIN_KEYS_PER_SPLIT = 256
 CUDA_MAX_SPLITS = 64
+CUDA_MAX_SPLITS_WIDE = 128   # D = 512 (sliced: 4 warps per split, latency-bound): 128 splits measured faster
 CUDA_SHORT_SPLIT = 1024
 CUDA_EXACT_TAIL_KEYS = 512
+# The merge on the kernel's tail: one CTA per (sequence, KV head) reads every part (rows x D floats each).  Past
+# CUDA_ONE_LEVEL_MERGE floats it merges in two levels: the last CTA of each group of parts merges the group, the
+# last group merges the groups.  Arrival counters per (sequence, KV head): the final one and one per group
+# (csrc/decode.h's COUNTERS_PER_HEAD; a GPU test compares them).
+CUDA_COUNTERS_PER_HEAD = 17
+CUDA_ONE_LEVEL_MERGE = 64 * 1024
 
 
 def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
@@ -60,11 +68,13 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
     One wave at most (a second measured slower: each CTA builds its tables and rotates q), splits of at least
     CUDA_MIN_KEYS_PER_SPLIT keys (8 x 8 heads at L=1024: 4 splits 16.4 us, 2 splits 17.3), at most
     CUDA_MAX_SPLITS (the merge on the kernel's tail reads every part: one sequence with 1-2 KV heads at L=32K
-    takes 26-27 us at 64, 30-33 us at 128), and half a wave where a full one would cut splits shorter than
+    takes 26-27 us at 64, 30-33 us at 128; CUDA_MAX_SPLITS_WIDE at D = 512: 1 x 2 heads at 32K, k4v4, 91 us at
+    128 and 97 at 64 with the two-level merge), and half a wave where a full one would cut splits shorter than
     CUDA_SHORT_SPLIT keys at D >= 128 (one sequence x 8 heads at L=32K: 28.2 us at 32 splits, 30.7 at 64;
     2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads at 16K: 23.5 us at 22, 26.6 at 11).
     """
-    splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS))
+    most = CUDA_MAX_SPLITS_WIDE if head_dim >= 512 else CUDA_MAX_SPLITS
+    splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT, most))
     if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
         splits = max(1, min(splits, resident // 2 // batch_kv_heads))
     return splits
@@ -81,6 +91,16 @@ def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim:
     return splits if max_tokens / in_wave - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else in_wave
 
 
+def cuda_merge_group(num_parts: int, rows: int, head_dim: int) -> int:
+    """Parts per group of the fused merge: num_parts (one level) while the parts hold at most CUDA_ONE_LEVEL_MERGE
+    floats, else about sqrt(num_parts) (both levels then read about as much), at most CUDA_COUNTERS_PER_HEAD - 1
+    groups."""
+    if num_parts * rows * head_dim <= CUDA_ONE_LEVEL_MERGE:
+        return num_parts
+    size = max(math.isqrt(num_parts - 1) + 1, -(-num_parts // (CUDA_COUNTERS_PER_HEAD - 1)))
+    return min(size, num_parts)
+
+
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
     """Whether the CUDA kernel covers a call of this shape (the device check is cuda.py's)."""
     return head_dim in CUDA_HEAD_DIMS and (k_bits, v_bits) in CUDA_BIT_PAIRS and query_rows <= CUDA_MAX_ROWS
@@ -92,16 +112,20 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
     truth (its launch bound); a GPU test checks that the two agree.  Shared memory, out of 228 KB: the byte -> fp16
     tables (one per distinct bit width, 32 lanes' columns of 4-byte entries: 256 rows, 8-byte entries for 2 bits,
     96 rows for 3, 2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static
-    arrays and 1 KB reserved.  Registers: 4 CTAs (128 per thread) for equal widths of at most 4 bits at D <= 128,
-    3 for other pairs, 2 at D = 256 (BENCHMARKS.md)."""
+    arrays and 1 KB reserved.  D = 512 splits each row's dims over the 4 warps ("sliced"): no per-warp outputs to
+    combine, q fragments in registers, 4 KB of partial scores.  Registers: 4 CTAs (128 per thread) for equal widths
+    of at most 4 bits at D <= 128 and D = 512 (a warp's share of a row is then D = 128's), 3 for other pairs, 2 at
+    D = 256 (BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * 32 * (8 if bits == 2 else 4)
+    sliced = head_dim >= 512
     tables = table(k_bits) + (0 if k_bits == v_bits else table(v_bits))
-    scratch = 4 * max(4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
-    static = 4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if head_dim >= 256 else 0) + 2048
+    scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
+    static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if head_dim == 256 else 0) + 2048
+              + (2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
     by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
-    by_regs = 2 if head_dim >= 256 else (4 if k_bits == v_bits and k_bits <= 4 else 3)
+    by_regs = 2 if head_dim == 256 else (4 if k_bits == v_bits and k_bits <= 4 else 3)
     return min(by_smem, by_regs)
 
 

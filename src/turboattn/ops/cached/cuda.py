@@ -1,5 +1,5 @@
 """The CUDA fast path of cached attention: the bit pairs of config.CUDA_BIT_PAIRS (every preset: 2 to 8-bit K and V)
-at head_dim 64/128/256 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
+at head_dim 64/128/256/512 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
 
 One launch covers the cache splits and their merge: with exact rows (an exact recent window, exact first
 tokens), one more CTA attends them in full precision as one more part; the last CTA of each sequence x KV
@@ -20,7 +20,7 @@ from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
-from .config import CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, plan_decode
+from .config import CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, cuda_merge_group, plan_decode
 from .triton import cached_attention_triton, part_buffers, query_scale
 
 CHUNK_ALIGN = 64     # split boundaries, in keys (a multiple of the kernel's 16-key tile)
@@ -69,14 +69,15 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     recent = _row_pair(layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
     first = _row_pair(layout.first_k, layout.first_v) if layout.exact_first else (None, None)
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
-    counters = layout.merge_counters if layout.merge_counters is not None else arrival_counters(dev, b * hkv)
+    counters = (layout.merge_counters if layout.merge_counters is not None
+                else arrival_counters(dev, b * hkv * CUDA_COUNTERS_PER_HEAD))
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     ext.decode(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                layout.key_gain_inv if layout.has_key_transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev),
                o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0, plan.num_splits,
                num_parts, layout.is_ring, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift,
-               *recent, *first)
+               *recent, *first, cuda_merge_group(num_parts, rows, d))
     return out
 
 

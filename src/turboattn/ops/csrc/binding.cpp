@@ -27,7 +27,8 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
             const c10::optional<torch::Tensor>& sinks, const c10::optional<torch::Tensor>& k_new,
             const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& key_shift,
             const c10::optional<torch::Tensor>& recent_k, const c10::optional<torch::Tensor>& recent_v,
-            const c10::optional<torch::Tensor>& first_k, const c10::optional<torch::Tensor>& first_v) {
+            const c10::optional<torch::Tensor>& first_k, const c10::optional<torch::Tensor>& first_v,
+            int64_t merge_group) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -89,6 +90,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
   p.ring = ring;
   p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
+  p.merge_group = merge_group;
   // The codebooks give the bit widths (2^bits centroids each).
   const int k_bits = static_cast<int>(std::log2(k_centroids.numel()));
   const int v_bits = static_cast<int>(std::log2(v_centroids.numel()));
@@ -101,6 +103,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
               exact ? " + 1 (the exact part)" : "");
   TORCH_CHECK(num_parts >= 1 && num_parts <= turboattn::MAX_PARTS, "turboattn decode: 1 to ", turboattn::MAX_PARTS,
               " parts (the merge's scratch), got ", num_parts);
+  TORCH_CHECK(merge_group >= 1 && (num_parts + merge_group - 1) / merge_group < turboattn::COUNTERS_PER_HEAD,
+              "turboattn decode: merge_group ", merge_group, " makes more than ", turboattn::COUNTERS_PER_HEAD - 1,
+              " groups of ", num_parts, " parts");
   int err = -1;
   if (head_dim == 64) {
     err = (exact ? launch_decode_d64_exact : launch_decode_d64)(p, k_bits, v_bits, batch_kv_heads, stream);
@@ -108,6 +113,8 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
     err = (exact ? launch_decode_d128_exact : launch_decode_d128)(p, k_bits, v_bits, batch_kv_heads, stream);
   } else if (head_dim == 256) {
     err = (exact ? launch_decode_d256_exact : launch_decode_d256)(p, k_bits, v_bits, batch_kv_heads, stream);
+  } else if (head_dim == 512) {
+    err = (exact ? launch_decode_d512_exact : launch_decode_d512)(p, k_bits, v_bits, batch_kv_heads, stream);
   }
   TORCH_CHECK(err != -1, "turboattn decode: no kernel for head_dim ", head_dim, ", k_bits ", k_bits, ", v_bits ", v_bits);
   TORCH_CHECK(err == 0, "turboattn decode launch failed: CUDA error ", err);
@@ -117,6 +124,7 @@ int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
   if (head_dim == 64) return ctas_per_sm_d64(k_bits, v_bits);
   if (head_dim == 128) return ctas_per_sm_d128(k_bits, v_bits);
   if (head_dim == 256) return ctas_per_sm_d256(k_bits, v_bits);
+  if (head_dim == 512) return ctas_per_sm_d512(k_bits, v_bits);
   return -1;
 }
 
@@ -198,8 +206,9 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "split-K decode over K and V codes of TURBOATTN_BIT_PAIRS (float32 or bfloat16 scales, exact rows), "
-        "D = 64 / 128 / 256");
+        "D = 64 / 128 / 256 / 512");
   m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes, scales and exact "
         "rows, advancing its lengths; D = 64 / 128 / 256 / 512, every bit width");
+  m.attr("COUNTERS_PER_HEAD") = turboattn::COUNTERS_PER_HEAD;
   m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
 }

@@ -1,5 +1,5 @@
 // Split-K decode over a compressed cache on tensor cores (mma.sync m16n8k16): K and V codes of 2 to 8 bits (the
-// pairs of TURBOATTN_BIT_PAIRS, decode.h), head_dim 64 / 128 / 256.  Included by one translation unit per head dim
+// pairs of TURBOATTN_BIT_PAIRS, decode.h), head_dim 64 / 128 / 256 / 512.  Included by one translation unit per head dim
 // and variant (decode_d*.cu), so that nvcc builds them in parallel.
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
@@ -23,7 +23,8 @@
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
 // output and log2-sum-exp; with counters given, the last CTA of each (sequence, KV head) merges all parts
-// (merge_parts) in the same launch.
+// (merge_parts) in the same launch, in two levels when the parts are large (merge_group).  D = 512 splits each row's
+// dims over the warps instead of its keys (Shape::SLICED) and reads two norm blocks (KeyCodes::BLOCKED).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -139,22 +140,37 @@ struct HighPlane {
 // k w, the w bits of dim j + k P, P = D w / 8 (the plane's bytes).  A lane reads slices of the low plane (and the
 // same dims' slices of the high plane); the dims a fragment holds follow the low plane's width.
 //
-// Keys: lane (g, c) reads LANE_BYTES = D LOW / 32 contiguous bytes of the low plane (from byte c LANE_BYTES) of each
-// of its two keys, and as many bytes of the high plane.  fragment(w, kk) gives the key's two A registers of k-step
-// kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9); dim(c, kk, reg, h) is the dim that half h of register reg holds.
-template <int BITS, int D>
+// SLICES > 1 (D = 512): the warps split each row's dims instead of its keys; warp s reads slice s, the low plane's
+// bytes [s P0 / SLICES, (s + 1) P0 / SLICES), and a lane's slot in the row is s 4 + c (keys) or s 8 + g (values).
+// Its arithmetic is then the D / SLICES kernel's, with D's plane strides.
+//
+// Norm blocks (format/codec.py): D = 512 stores one scale per 256 dims (block b: dims [256 b, 256 b + 256)), and a
+// byte of a 2 or 4-bit plane holds dims of both blocks (j and j + 256 for 4 bits).  There ("BLOCKED") each k-step
+// and each output tile takes the dims of one block only, so that the block's scale can still multiply the score
+// after the MMA and P before the PV MMA: k-step kk and tile t hold block kk % 2 and t % 2, built from the same
+// bytes as their neighbour of the other block by taking the other halves (two byte-permutes per register pair for
+// 4 bits, none for 2 bits).  8-bit rows need nothing: a warp's slice lies in block warp / 2.
+//
+// Keys: lane (g, c) reads LANE_BYTES = D LOW / 32 / SLICES contiguous bytes of the low plane (from byte c' LANE_BYTES,
+// c' = s 4 + c) of each of its two keys, and as many bytes of the high plane.  fragment(w, kk) gives the key's two A
+// registers of k-step kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9); dim(c', kk, reg, h) is the dim that half h of
+// register reg holds.
+template <int BITS, int D, int SLICES = 1>
 struct KeyCodes {
   using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
-  static constexpr int LANE_BYTES = D * P::LOW / 32;
+  static constexpr int LANE_BYTES = D * P::LOW / 32 / SLICES;
   static constexpr int LOW_WORDS = LANE_BYTES / 4;
   static constexpr int WORDS = LOW_WORDS * (P::HIGH ? 2 : 1);  // low-plane words, then high-plane words
+  static constexpr bool BLOCKED = D > 256 && P::LOW != 8;
   using Table = CodeTable<BITS>;
   using High = HighPlane<BITS, D>;
 
   __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset,
                                                    const uint32_t (&w)[WORDS], int kk, int high_shift) {
-    if constexpr (BITS == 4) {  // byte 2kk + reg: dims j, j + D/2
+    if constexpr (BLOCKED) {
+      return blocked_fragment(table, lane_offset, w, kk, high_shift);
+    } else if constexpr (BITS == 4) {  // byte 2kk + reg: dims j, j + D/2
       const uint32_t word = w[kk / 2];
       return make_uint2(Table::lookup(table, lane_offset, word, 2 * (kk % 2)),
                         Table::lookup(table, lane_offset, word, 2 * (kk % 2) + 1));
@@ -177,31 +193,83 @@ struct KeyCodes {
                                    Table::lookup(table, lane_offset, m.y, i + 1)));
     }
   }
+  // BLOCKED: k-steps 2m (block 0) and 2m + 1 (block 1) share bytes; 4 bits: word m, register reg holding bytes
+  // 2 reg, 2 reg + 1 (low or high nibbles); 2 bits: bytes 2m + reg, fields 0, 1 (block 0) or 2, 3 (block 1).
+  __device__ __forceinline__ static uint2 blocked_fragment(const uint32_t* table, uint32_t lane_offset,
+                                                           const uint32_t (&w)[WORDS], int kk, int high_shift) {
+    const int b = kk % 2, m = kk / 2;
+    if constexpr (P::LOW == 4) {
+      uint32_t x[4];
+      if constexpr (BITS == 4) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, w[m], i);   // (dim j_i, j_i + 256)
+        return b ? make_uint2(high_halves(x[0], x[1]), high_halves(x[2], x[3]))
+                 : make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
+      } else {  // 5, 6 bits: the merged word of block b holds one code per byte
+        const uint2 mw = merge_planes<BITS>(w[m], w[LOW_WORDS + m] >> high_shift);
+        const uint32_t word = b ? mw.y : mw.x;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
+        return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
+      }
+    } else {  // LOW == 2: bytes 2m, 2m + 1 of word m / 2
+      const int i = (2 * m) % 4;
+      if constexpr (BITS == 2) {
+        const uint2 e0 = Table::lookup2(table, lane_offset, w[m / 2], i);
+        const uint2 e1 = Table::lookup2(table, lane_offset, w[m / 2], i + 1);
+        return b ? make_uint2(e0.y, e1.y) : make_uint2(e0.x, e1.x);
+      } else {  // 3 bits: the merged word of fields 0, 1 (block 0) or 2, 3 (block 1)
+        const uint2 mw = merge_planes<BITS>(w[m / 2], w[LOW_WORDS + m / 2] >> high_shift);
+        const uint32_t word = b ? mw.y : mw.x;
+        return make_uint2(Table::lookup(table, lane_offset, word, i), Table::lookup(table, lane_offset, word, i + 1));
+      }
+    }
+  }
   __device__ __forceinline__ static int dim(int c, int kk, int reg, int h) {
-    if constexpr (P::LOW == 4) return c * LANE_BYTES + 2 * kk + reg + h * (D / 2);
+    if constexpr (BLOCKED && P::LOW == 4) return c * LANE_BYTES + 4 * (kk / 2) + 2 * reg + h + (kk % 2) * (D / 2);
+    else if constexpr (BLOCKED) return c * LANE_BYTES + 2 * (kk / 2) + reg + (2 * (kk % 2) + h) * (D / 4);
+    else if constexpr (P::LOW == 4) return c * LANE_BYTES + 2 * kk + reg + h * (D / 2);
     else if constexpr (P::LOW == 8) return c * LANE_BYTES + 4 * kk + 2 * reg + h;
     else return c * LANE_BYTES + kk + (2 * reg + h) * (D / 4);
   }
 };
 
-// Values: lane (g, c) reads LANE_BYTES = D LOW / 64 contiguous bytes of the low plane (from byte g LANE_BYTES) of
-// each of its four keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3), and as many of the high plane.  fragment(w, t) gives the A
-// registers of dim tile t (rows g and g + 8, keys 2c, 2c+1 then 2c+8, 2c+9); dim(g, t, h) is the dim of row g + 8h
-// of tile t.
-template <int BITS, int D>
+// Values: lane (g, c) reads LANE_BYTES = D LOW / 64 / SLICES contiguous bytes of the low plane (from byte
+// g' LANE_BYTES, g' = s 8 + g) of each of its four keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3), and as many of the high
+// plane.  fragment(w, t) gives the A registers of dim tile t (rows g and g + 8, keys 2c, 2c+1 then 2c+8, 2c+9);
+// dim(g', t, h) is the dim of row g + 8h of tile t.
+template <int BITS, int D, int SLICES = 1>
 struct ValueCodes {
   using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
-  static constexpr int LANE_BYTES = D * P::LOW / 64;
+  static constexpr int LANE_BYTES = D * P::LOW / 64 / SLICES;
   static constexpr int LOW_WORDS = LANE_BYTES >= 4 ? LANE_BYTES / 4 : 1;  // 2 or 3-bit codes at D = 64: 2 bytes
   static constexpr int WORDS = LOW_WORDS * (P::HIGH ? 2 : 1);
+  // Norm blocks (see KeyCodes): 2 and 3-bit tiles hold one block already (tile t: block t % 2); 4, 5 and 6-bit
+  // tiles 2m (block 0) and 2m + 1 (block 1) take rows g, g + 8 from bytes 2m, 2m + 1, low or high nibbles.
+  static constexpr bool BLOCKED = D > 256 && P::LOW == 4;
+  static constexpr bool TILE_BLOCKS = D > 256 && P::LOW != 8;  // tile t holds block t % 2; else the warp's block
   using Table = CodeTable<BITS>;
   using High = HighPlane<BITS, D>;
 
   __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
                                                    const uint32_t (&w)[4][WORDS], int t, int high_shift) {
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
-    if constexpr (BITS == 4) {  // byte t: dims j, j + D/2
+    if constexpr (BLOCKED) {
+      const int b = t % 2, i = (2 * (t / 2)) % 4, word = t / 4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (BITS == 4) {
+          const uint32_t lo = Table::lookup(table, lane_offset, w[j][word], i);
+          const uint32_t hi = Table::lookup(table, lane_offset, w[j][word], i + 1);
+          x[j] = b ? high_halves(lo, hi) : low_halves(lo, hi);
+        } else {  // 5, 6 bits: the merged word of block b
+          const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word] >> high_shift);
+          const uint32_t mw = b ? m.y : m.x;
+          x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
+        }
+      }
+    } else if constexpr (BITS == 4) {  // byte t: dims j, j + D/2
 #pragma unroll
       for (int j = 0; j < 4; ++j) x[j] = Table::lookup(table, lane_offset, w[j][t / 4], t % 4);
     } else if constexpr (BITS == 8) {  // bytes 2t, 2t + 1
@@ -232,26 +300,37 @@ struct ValueCodes {
                       high_halves(x[2], x[3]));
   }
   __device__ __forceinline__ static int dim(int g, int t, int h) {
-    if constexpr (P::LOW == 4) return g * LANE_BYTES + t + h * (D / 2);
+    if constexpr (BLOCKED) return g * LANE_BYTES + 2 * (t / 2) + h + (t % 2) * (D / 2);
+    else if constexpr (P::LOW == 4) return g * LANE_BYTES + t + h * (D / 2);
     else if constexpr (P::LOW == 8) return g * LANE_BYTES + 2 * t + h;
     else return g * LANE_BYTES + t / 2 + (2 * (t % 2) + h) * (D / 4);
   }
 };
 
+// D = 512 splits each row's dims over the warps (SLICES = WARPS): a warp's output accumulators are then D / 4 dims'
+// (32 registers, as at D = 128) instead of D's (128 registers at D = 512), at the price of a shared-memory sum of
+// the warps' partial scores per tile.
+template <int D>
+constexpr int slices() { return D >= 512 ? WARPS : 1; }
+
 template <int D, int KB, int VB>
 struct Shape {
-  using K = KeyCodes<KB, D>;
-  using V = ValueCodes<VB, D>;
-  static constexpr int K_STEPS = D / 16;   // MMA k-steps of the score product
-  static constexpr int DIM_TILES = D / 16; // 16-dim tiles of the output
-  static constexpr bool Q_IN_SMEM = D >= 256;  // q fragments: registers would crowd out the accumulators
+  static constexpr int SLICES = slices<D>();
+  static constexpr bool SLICED = SLICES > 1;
+  static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
+  static_assert(NB == 1 || SLICED, "two norm blocks are read by the sliced kernel");
+  using K = KeyCodes<KB, D, SLICES>;
+  using V = ValueCodes<VB, D, SLICES>;
+  static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
+  static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
+  static constexpr bool Q_IN_SMEM = K_STEPS >= 16;  // q fragments: registers would crowd out the accumulators
   // Dynamic shared memory: the K table, then the V table unless both sides share one codebook.  After the main
-  // loop the same space holds the warps' outputs, the merge's weights (MAX_ROWS x MAX_PARTS) or the exact part's
-  // scratch (less than either), so it is at least SCRATCH_WORDS.
+  // loop the same space holds the warps' outputs (not when sliced: a warp owns its dims), the merge's weights
+  // (MAX_ROWS x MAX_PARTS) or the exact part's scratch (less than either), so it is at least SCRATCH_WORDS.
   static constexpr bool SHARED_TABLE = KB == VB;
   static constexpr int TABLE_WORDS = CodeTable<KB>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB>::WORDS);
-  static constexpr int SCRATCH_WORDS = WARPS * MAX_ROWS * D > MAX_ROWS * MAX_PARTS ? WARPS * MAX_ROWS * D
-                                                                                   : MAX_ROWS * MAX_PARTS;
+  static constexpr int WARP_OUT_WORDS = SLICED ? 0 : WARPS * MAX_ROWS * D;
+  static constexpr int SCRATCH_WORDS = WARP_OUT_WORDS > MAX_ROWS * MAX_PARTS ? WARP_OUT_WORDS : MAX_ROWS * MAX_PARTS;
   static constexpr int DYNAMIC_WORDS = TABLE_WORDS > SCRATCH_WORDS ? TABLE_WORDS : SCRATCH_WORDS;
 };
 
@@ -323,7 +402,7 @@ template <class S>
 struct TileData {
   uint32_t kw[2][S::K::WORDS];
   uint32_t vw[4][S::V::WORDS];
-  float k_scale[2], v_scale[2];
+  float k_scale[2][S::NB], v_scale[2][S::NB];  // [key g, g + 8][norm block]
 };
 
 // This lane's addresses at slot 0 of its (sequence, KV head): every load of a tile is one of these plus the
@@ -331,8 +410,8 @@ struct TileData {
 struct LanePointers {
   const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES of the low plane
   const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES of the low plane
-  const uint8_t* ks;  // K scale of key g (float32, or bfloat16 with bf16)
-  const uint8_t* vs;  // V scale of key g
+  const uint8_t* ks;  // K scales of key g (float32, or bfloat16 with bf16; S::NB per key)
+  const uint8_t* vs;  // V scales of key g
   int k_high, v_high;  // two-plane codes: the high plane's slice, in bytes after the low plane's
   bool bf16;
 };
@@ -351,8 +430,11 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
-    t.k_scale[n] = load_scale(lp.ks, tile + 8 * n, lp.bf16);
-    t.v_scale[n] = load_scale(lp.vs, tile + 8 * n, lp.bf16);
+#pragma unroll
+    for (int b = 0; b < S::NB; ++b) {
+      t.k_scale[n][b] = load_scale(lp.ks, (tile + 8 * n) * S::NB + b, lp.bf16);
+      t.v_scale[n][b] = load_scale(lp.vs, (tile + 8 * n) * S::NB + b, lp.bf16);
+    }
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) load_slice<typename S::V>(v + ((j & 1) + 8 * (j >> 1)) * VR, lp.v_high, t.vw[j]);
@@ -366,8 +448,11 @@ __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int ti
   for (int n = 0; n < 2; ++n) {
     const int slot = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
     load_slice<typename S::K>(lp.k + (size_t)slot * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
-    t.k_scale[n] = load_scale(lp.ks, slot, lp.bf16);
-    t.v_scale[n] = load_scale(lp.vs, slot, lp.bf16);
+#pragma unroll
+    for (int b = 0; b < S::NB; ++b) {
+      t.k_scale[n][b] = load_scale(lp.ks, slot * S::NB + b, lp.bf16);
+      t.v_scale[n][b] = load_scale(lp.vs, slot * S::NB + b, lp.bf16);
+    }
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -427,19 +512,20 @@ __device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
   return {p.num_splits, block - split_blocks};
 }
 
+// num_parts / stride: the parts merged are 0, stride, 2 stride, ... (stride > 1: the groups' results of a two-level
+// merge, merge_group).
 template <int D>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator,
-                                            float* fresh_p, const float* signs) {
+                                            float* fresh_p, const float* signs, int num_parts, int stride) {
   // Indices are recomputed here, so that the main loop need not keep them alive.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bh = cta_index(p).bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
-  const int num_parts = p.num_parts;
-  const size_t first = (size_t)bh * num_parts * rows;  // part q of row r: first + q * rows + r
+  const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q * stride * rows + r
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
   constexpr int D4 = D / 4, BATCH = 16, THREADS = WARPS * 32;
   const int outputs = rows * D4;
   const int groups = outputs < THREADS ? THREADS / outputs : 1;
-  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of a row
+  const size_t step = (size_t)stride * rows * D4;  // float4s between consecutive merged parts of a row
   float4 part[BATCH];
   // Work item i: output float4 i % outputs, parts i / outputs + k groups.
   auto load_batch = [&](int i, int q0) {
@@ -459,7 +545,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     // The parts' log2-sum-exps, staged in w_row (one L2 round trip, issued before the fresh tokens' loads).
     float mx = sink;
     for (int q = lane; q < num_parts; q += 32) {
-      const float x = __ldcg(p.lse_part + first + (size_t)q * rows + r);
+      const float x = __ldcg(p.lse_part + first + (size_t)q * stride * rows + r);
       w_row[q] = x;
       mx = fmaxf(mx, x);
     }
@@ -574,11 +660,15 @@ template <int D, int KB, int VB>
 constexpr int ctas_per_sm() {
   // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, centroids, statistics; an upper
   // bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
-  constexpr int static_bytes = 4 * MAX_ROWS * D + (D >= 256 ? D / 16 * 256 : 0) + 2048;
-  constexpr int by_smem = 228 * 1024 / (Shape<D, KB, VB>::DYNAMIC_WORDS * 4 + static_bytes + 1024);
+  // Sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
+  using S = Shape<D, KB, VB>;
+  constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
+                               (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
+  constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255.  4-bit and 2-bit codes fit
-  // 128 without spilling at D <= 128, other pairs need 3 CTAs' worth, D = 256 needs 2.
-  constexpr int by_regs = D >= 256 ? 2 : (KB == VB && KB <= 4 ? 4 : 3);
+  // 128 without spilling at D <= 128 and sliced D = 512 (a warp's share is D = 128's), other pairs need 3 CTAs'
+  // worth, D = 256 needs 2.
+  constexpr int by_regs = D == 256 ? 2 : (KB == VB && KB <= 4 ? 4 : 3);
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
@@ -590,22 +680,90 @@ constexpr int dynamic_bytes() { return Shape<D, KB, VB>::DYNAMIC_WORDS * 4; }
 // address is still a constant, so table addresses stay immediates.
 extern __shared__ __align__(16) uint32_t code_tables[];
 
-// Count this CTA's part in (after making it visible); the last CTA of the (sequence, KV head) to arrive merges
-// every part (p.num_parts of them).  is_last: a shared flag.
+// One level of the merge of a two-level plan (p.merge_group < p.num_parts): the last CTA of a group of
+// merge_group consecutive parts merges them into the group's first part (its output and log2-sum-exp), so that
+// the final merge reads one part per group.  A part's rows are read by the thread that then writes them.
+// lse_s: shared scratch of MAX_ROWS x count floats.
 template <int D>
-__device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_rot, float* warp_ml, float* fresh_p,
-                                               const float* signs, int& is_last) {
-  const int bh = cta_index(p).bh;
+__device__ __forceinline__ void merge_group(const DecodeParams& p, int first_part, int count, float* lse_s) {
+  const int tid = threadIdx.x, bh = cta_index(p).bh, rows = p.tq * p.group;
+  constexpr int D4 = D / 4, THREADS = WARPS * 32, BATCH = 8;
+  const size_t base = ((size_t)bh * p.num_parts + first_part) * rows;  // row r of part first_part + q: base + q rows + r
+  for (int i = tid; i < rows * count; i += THREADS)
+    lse_s[i] = __ldcg(p.lse_part + base + (size_t)(i % count) * rows + i / count);  // [r][q]
+  __syncthreads();
+  for (int i = tid; i < rows * D4; i += THREADS) {
+    const int r = i / D4;
+    const float* lse = lse_s + r * count;
+    float mx = -INFINITY;
+    for (int q = 0; q < count; ++q) mx = fmaxf(mx, lse[q]);  // NaN passes by (its weight is NaN below)
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    const float4* o = reinterpret_cast<const float4*>(p.o_part + (base + r) * D) + i % D4;
+    const size_t step = (size_t)rows * D4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+    for (int q0 = 0; q0 < count; q0 += BATCH) {
+      float4 x[BATCH];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) x[j] = q0 + j < count ? __ldcg(o + (q0 + j) * step) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        if (q0 + j >= count) break;
+        const float w = exp2f(lse[q0 + j] - m_use);
+        sum += w;
+        acc.x += w * x[j].x, acc.y += w * x[j].y, acc.z += w * x[j].z, acc.w += w * x[j].w;
+      }
+    }
+    const float inv = sum != 0.f ? 1.f / sum : 0.f;  // nothing seen: 0; NaN stays NaN
+    reinterpret_cast<float4*>(p.o_part + (base + r) * D)[i % D4] =
+        sum != 0.f ? make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();  // every thread has read the parts' log2-sum-exps
+  if (tid < rows) {
+    const float* lse = lse_s + tid * count;
+    float mx = -INFINITY, sum = 0.f;
+    for (int q = 0; q < count; ++q) mx = fmaxf(mx, lse[q]);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    for (int q = 0; q < count; ++q) sum += exp2f(lse[q] - m_use);
+    p.lse_part[base + tid] = sum != 0.f ? m_use + log2f(sum) : -INFINITY;
+  }
+}
+
+// Arrive on `counter` (after making this CTA's writes visible): whether this CTA is the last of `expected`; the last
+// one resets the counter for the next call (and the next replay of a captured graph).  is_last: a shared flag.
+__device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_last) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    is_last = atomicAdd(p.counters + bh, 1) == p.num_parts - 1;
-    if (is_last) p.counters[bh] = 0;  // ready for the next call (and the next replay of a captured graph)
+    is_last = atomicAdd(counter, 1) == expected - 1;
+    if (is_last) *counter = 0;
   }
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last) return false;
   __threadfence();
-  merge_parts<D>(p, reinterpret_cast<float*>(code_tables), q_rot, warp_ml, fresh_p, signs);
+  return true;
+}
+
+// Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part (p.num_parts of
+// them), or with a two-level plan the last CTA of each group merges the group and the last group merges the groups.
+// Counters of a (sequence, KV head): COUNTERS_PER_HEAD from bh COUNTERS_PER_HEAD, the final one first.
+template <int D>
+__device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_rot, float* warp_ml, float* fresh_p,
+                                               const float* signs, int& is_last) {
+  const CtaIndex cta = cta_index(p);
+  int* counters = p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD;
+  float* scratch = reinterpret_cast<float*>(code_tables);
+  const int gs = p.merge_group, groups = (p.num_parts + gs - 1) / gs;
+  if (groups > 1) {
+    const int group = cta.part / gs, first = group * gs, count = min(gs, p.num_parts - first);
+    if (!arrive_last(counters + 1 + group, count, is_last)) return;
+    merge_group<D>(p, first, count, scratch);
+    if (!arrive_last(counters, groups, is_last)) return;
+    merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, groups, gs);
+    return;
+  }
+  if (!arrive_last(counters, p.num_parts, is_last)) return;
+  merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, p.num_parts, 1);
 }
 
 // The exact part (the CTA of part num_splits, in the kernels built for caches with exact rows): the
@@ -651,8 +809,10 @@ __device__ __forceinline__ float2 load2(const char* row, int dtype, int d) {
 template <int D>
 __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scratch, float* q_s, float* signs) {
   constexpr int THREADS = WARPS * 32, RPW = MAX_ROWS / WARPS, CH = EXACT_CHUNK;
-  constexpr int PAIRS = D / 2, GROUPS = THREADS / PAIRS > 0 ? THREADS / PAIRS : 1;  // P V: row groups
-  static_assert(PAIRS <= THREADS, "P V gives each thread one pair of dims");
+  // P V: each thread takes PPT pairs of dims (pair + k THREADS) over one group of the rows.
+  constexpr int PAIRS = D / 2, GROUPS = THREADS / PAIRS > 0 ? THREADS / PAIRS : 1;
+  constexpr int PPT = PAIRS > THREADS ? PAIRS / THREADS : 1;
+  static_assert(PAIRS % THREADS == 0 || THREADS % PAIRS == 0, "pairs of dims spread evenly over the threads");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bh = cta_index(p).bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const int seen = p.seen[b], start = p.starts[b];
@@ -675,10 +835,12 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
   float m_r[RPW], l_r[RPW];   // warp w owns query rows w + k WARPS
 #pragma unroll
   for (int k = 0; k < RPW; ++k) m_r[k] = -INFINITY, l_r[k] = 0.f;
-  const int pair = tid % PAIRS, group = tid / PAIRS;   // P V: dims 2 pair, 2 pair + 1 over rows group, group + GROUPS..
-  float acc[MAX_ROWS][2];
+  const int pair = tid % PAIRS, group = tid / PAIRS;   // P V: dims 2 pair', 2 pair' + 1 over rows group, group + GROUPS..
+  float acc[MAX_ROWS][2 * PPT];
 #pragma unroll
-  for (int r = 0; r < MAX_ROWS; ++r) acc[r][0] = acc[r][1] = 0.f;
+  for (int r = 0; r < MAX_ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < 2 * PPT; ++i) acc[r][i] = 0.f;
   __syncthreads();
 
   for (int c0 = 0; c0 < total; c0 += CH) {
@@ -766,20 +928,26 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
       if (lane == 0) alpha_s[warp + k * WARPS] = alpha;
     }
     __syncthreads();
-    // P V: dims 2 pair, 2 pair + 1 over this group's rows.
+    // P V: dims 2 pair', 2 pair' + 1 (pair' = pair + k THREADS) over this group's rows.
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) acc[r][0] *= alpha_s[r], acc[r][1] *= alpha_s[r];
+    for (int r = 0; r < MAX_ROWS; ++r)
+#pragma unroll
+      for (int i = 0; i < 2 * PPT; ++i) acc[r][i] *= alpha_s[r];
     const int n = min(CH, total - c0);
     if (group < GROUPS) {
 #pragma unroll 2
       for (int jj = group; jj < n; jj += GROUPS) {
         const char* vr = v_row[jj];
-        const float2 v = vr ? load2(vr, p.exact_dtype, 2 * pair) : make_float2(0.f, 0.f);
+        float2 v[PPT];
+#pragma unroll
+        for (int k = 0; k < PPT; ++k)
+          v[k] = vr ? load2(vr, p.exact_dtype, 2 * (pair + k * THREADS)) : make_float2(0.f, 0.f);
 #pragma unroll
         for (int r = 0; r < MAX_ROWS; ++r) {
           const float pr = s_s[r * CH + jj];
           if (signbit(pr) && !isnan(pr)) continue;  // hidden from this query row (never 0 x inf)
-          acc[r][0] += pr * v.x, acc[r][1] += pr * v.y;
+#pragma unroll
+          for (int k = 0; k < PPT; ++k) acc[r][2 * k] += pr * v[k].x, acc[r][2 * k + 1] += pr * v[k].y;
         }
       }
     }
@@ -789,10 +957,12 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
   // The groups' outputs, then their sum in a fixed order (deterministic), normalized, rotated and stored.
   if (group < GROUPS) {
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; ++r) {
-      o_s[(group * MAX_ROWS + r) * D + 2 * pair] = acc[r][0];
-      o_s[(group * MAX_ROWS + r) * D + 2 * pair + 1] = acc[r][1];
-    }
+    for (int r = 0; r < MAX_ROWS; ++r)
+#pragma unroll
+      for (int k = 0; k < PPT; ++k) {
+        o_s[(group * MAX_ROWS + r) * D + 2 * (pair + k * THREADS)] = acc[r][2 * k];
+        o_s[(group * MAX_ROWS + r) * D + 2 * (pair + k * THREADS) + 1] = acc[r][2 * k + 1];
+      }
   }
   __syncthreads();
   constexpr int N = D / 32;
@@ -830,6 +1000,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
+  // Sliced: the warps' partial scores of a tile (two buffers, alternating by tile: one barrier per tile).
+  __shared__ float4 partial_scores[S::SLICED ? 2 * WARPS * 32 : 1];
   __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
   __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
   __shared__ int is_last;
@@ -872,12 +1044,18 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   const int scale_bytes = p.scale_bf16 ? 2 : 4;
   // Two-plane codes: where this lane's high-plane slices start (relative to its low-plane ones) and the bit at
   // which their fields' high bits start.
-  const int k_first = c * S::K::LANE_BYTES, v_first = g * S::V::LANE_BYTES;
+  // The lane's slot in a row: its slice's (the warp's when sliced) quarter of the keys' bytes and eighth of the
+  // values'.
+  const int slice = S::SLICED ? warp : 0;
+  const int kc = slice * 4 + c, vg = slice * 8 + g;
+  // The norm block of the slice's 8-bit rows (a warp's slice lies in one block).
+  const int warp_block = slice * S::NB / S::SLICES;
+  const int k_first = kc * S::K::LANE_BYTES, v_first = vg * S::V::LANE_BYTES;
   const int k_shift = S::K::High::shift(k_first), v_shift = S::V::High::shift(v_first);
   const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + k_first,
                         p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + v_first,
-                        static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * scale_bytes,
-                        static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * scale_bytes,
+                        static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * S::NB * scale_bytes,
+                        static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * S::NB * scale_bytes,
                         S::K::High::offset(k_first) - k_first, S::V::High::offset(v_first) - v_first,
                         p.scale_bf16 != 0};
   auto load = [&](int tile, TileData<S>& t) {
@@ -896,11 +1074,15 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   // kvh * G + r % G; warp w takes rows w and w + 4, lane l dims l N ...), the first tile, then the centroids.
   // (An L2 prefetch of the split's first keys here, or kept running ahead of the warps, measured no faster.)
   constexpr int N = D / 32;
-  float qx[MAX_ROWS / WARPS][N], sign[N], gain[N];
+  // sign / gain of dim lane N + i: at D = 512 (N = 16) as one product, which saves registers in the set-up.
+  constexpr bool FOLD = N > 8;
+  float qx[MAX_ROWS / WARPS][N], sign[N], gain[FOLD ? 1 : N];
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     sign[i] = p.signs[lane * N + i];
-    gain[i] = p.gain_inv ? p.gain_inv[(size_t)bh * D + lane * N + i] : 1.f;
+    const float gi = p.gain_inv ? p.gain_inv[(size_t)bh * D + lane * N + i] : 1.f;
+    if constexpr (FOLD) sign[i] *= gi;
+    else gain[i] = gi;
   }
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
@@ -910,11 +1092,14 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
       qx[k][i] = r < rows ? load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N + i) : 0.f;
   }
   TileData<S> next;
-  const int first_tile = lo + warp * TILE_KEYS;
+  // Each warp walks its own tiles, or (sliced) every warp walks every tile.
+  const int first_tile = lo + (S::SLICED ? 0 : warp * TILE_KEYS);
   if (first_tile < hi) load(first_tile, next);
   for (int i = tid; i < (1 << KB); i += WARPS * 32) centroids[0][i] = __float2half_rn(p.k_centroids[i]);
   for (int i = tid; i < (1 << VB); i += WARPS * 32) centroids[1][i] = __float2half_rn(p.v_centroids[i]);
-  if (warp == 0) {
+  if constexpr (FOLD) {
+    for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
+  } else if (warp == 0) {
 #pragma unroll
     for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
@@ -925,7 +1110,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) qx[k][i] *= gain[i] * sign[i];
+    for (int i = 0; i < N; ++i) qx[k][i] *= FOLD ? sign[i] : gain[FOLD ? 0 : i] * sign[i];
     hadamard_warp<D>(qx[k], lane);
 #pragma unroll
     for (int i = 0; i < N; ++i) q_rot[(warp + k * WARPS) * D + lane * N + i] = qx[k][i];
@@ -937,8 +1122,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   auto q_fragment = [&](int kk) {
     const float* qg = q_rot + g * D;
     using K = typename S::K;
-    return make_uint2(pack_half2(qg[K::dim(c, kk, 0, 0)] * q_norm, qg[K::dim(c, kk, 0, 1)] * q_norm),
-                      pack_half2(qg[K::dim(c, kk, 1, 0)] * q_norm, qg[K::dim(c, kk, 1, 1)] * q_norm));
+    return make_uint2(pack_half2(qg[K::dim(kc, kk, 0, 0)] * q_norm, qg[K::dim(kc, kk, 0, 1)] * q_norm),
+                      pack_half2(qg[K::dim(kc, kk, 1, 0)] * q_norm, qg[K::dim(kc, kk, 1, 1)] * q_norm));
   };
   uint2 qb[S::Q_IN_SMEM ? 1 : S::K_STEPS];
   if constexpr (S::Q_IN_SMEM) {
@@ -958,14 +1143,20 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   auto process = [&](const TileData<S>& cur, const int tile) {
     // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
     // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
-    float k_scale[2], v_scale[2];
+    float k_scale[2][S::NB], v_scale[2][S::NB];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      const bool bad = isnan(cur.v_scale[n]);
-      k_scale[n] = bad ? cur.v_scale[n] : cur.k_scale[n];
-      v_scale[n] = bad ? 0.f : cur.v_scale[n];
+      bool bad = false;
+#pragma unroll
+      for (int b = 0; b < S::NB; ++b) bad = bad || isnan(cur.v_scale[n][b]);
+#pragma unroll
+      for (int b = 0; b < S::NB; ++b) {
+        k_scale[n][b] = bad ? NAN : cur.k_scale[n][b];
+        v_scale[n][b] = bad ? 0.f : cur.v_scale[n][b];
+      }
     }
-    // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains.
+    // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains (with two norm blocks
+    // and K::BLOCKED, the chains are the blocks: k-step kk holds block kk % 2).
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) {
@@ -974,12 +1165,30 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
       const uint2 qf = S::Q_IN_SMEM ? q_frag[kk * 32 + lane] : qb[S::Q_IN_SMEM ? 0 : kk];
       mma_16816(kk % 2 ? s_odd : s, a0.x, a1.x, a0.y, a1.y, qf.x, qf.y);
     }
-    // s[2n + e]: key g + 8n, row 2c + e.  Scale, cap, and mask where a mask can apply.
+    // s[2n + e]: key g + 8n, row 2c + e.  Scale (each block's part by its scale), then sum the warps' parts.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float x = (s[i] + s_odd[i]) * k_scale[i / 2];
-      if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
-      s[i] = x;
+      const int n = i / 2;
+      if constexpr (S::NB == 1) s[i] = (s[i] + s_odd[i]) * k_scale[n][0];
+      else if constexpr (S::K::BLOCKED) s[i] = s[i] * k_scale[n][0] + s_odd[i] * k_scale[n][S::NB - 1];
+      else s[i] = (s[i] + s_odd[i]) * (warp_block ? k_scale[n][S::NB - 1] : k_scale[n][0]);
+    }
+    if constexpr (S::SLICED) {  // the warps' partial scores, summed in a fixed order: every warp gets the same
+      float4* buf = partial_scores + ((tile / TILE_KEYS) & 1) * WARPS * 32;
+      buf[warp * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
+      __syncthreads();
+      float4 sum = buf[lane];
+#pragma unroll
+      for (int w = 1; w < WARPS; ++w) {
+        const float4 x = buf[w * 32 + lane];
+        sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+      }
+      s[0] = sum.x, s[1] = sum.y, s[2] = sum.z, s[3] = sum.w;
+    }
+    // Cap, and mask where a mask can apply.
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = p.softcap * tanhf(s[i] / p.softcap) * 1.4426950408889634f;
     }
     if (tile < safe_lo || tile + TILE_KEYS > safe_hi) {
 #pragma unroll
@@ -1015,30 +1224,40 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
         m[e] = m_new;
       }
     }
-    float pr[4];
+    float e2[4];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float m_use = m[e] == -INFINITY ? 0.f : m[e];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        const float e2 = fast_exp2(s[2 * n + e] - m_use);
-        l[e] += e2;
-        pr[2 * n + e] = e2 * v_scale[n];
+        e2[2 * n + e] = fast_exp2(s[2 * n + e] - m_use);
+        l[e] += e2[2 * n + e];
       }
     }
-    // P^T (16 keys x 8 rows) from the accumulator layout to the B layout: one 8x8 transpose per 8 keys.
-    const uint32_t pb0 = transpose_8x8(pack_half2(pr[0], pr[1]));
-    const uint32_t pb1 = transpose_8x8(pack_half2(pr[2], pr[3]));
+    // P^T (16 keys x 8 rows) times the V scales, from the accumulator layout to the B layout: one 8x8 transpose
+    // per 8 keys; one P per norm block when the tiles alternate blocks.
+    constexpr int P_SETS = S::V::TILE_BLOCKS ? S::NB : 1;
+    uint32_t pb[P_SETS][2];
+#pragma unroll
+    for (int b = 0; b < P_SETS; ++b) {
+      float vs[2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+        vs[n] = S::V::TILE_BLOCKS ? v_scale[n][b] : (warp_block ? v_scale[n][S::NB - 1] : v_scale[n][0]);
+      pb[b][0] = transpose_8x8(pack_half2(e2[0] * vs[0], e2[1] * vs[0]));
+      pb[b][1] = transpose_8x8(pack_half2(e2[2] * vs[1], e2[3] * vs[1]));
+    }
     // O^T += V^T P^T: dim tile t holds dims ValueCodes::dim(g', t, 0) (rows g') and dim(g', t, 1) (rows g' + 8).
 #pragma unroll
     for (int t = 0; t < S::DIM_TILES; ++t) {
       const uint4 a = S::V::fragment(v_table, v_lane, cur.vw, t, v_shift);
-      mma_16816(acc[t], a.x, a.y, a.z, a.w, pb0, pb1);
+      const int b = S::V::TILE_BLOCKS ? t % 2 : 0;
+      mma_16816(acc[t], a.x, a.y, a.z, a.w, pb[b][0], pb[b][1]);
     }
   };
   // Each warp keeps its next tile's loads in flight while it computes the current one.  (Unrolling by two into
   // alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
-  constexpr int STRIDE = WARPS * TILE_KEYS;
+  constexpr int STRIDE = S::SLICED ? TILE_KEYS : WARPS * TILE_KEYS;
   for (int tile = first_tile; tile < hi; tile += STRIDE) {
     const TileData<S> cur = next;
     if (tile + STRIDE < hi) load(tile + STRIDE, next);
@@ -1051,6 +1270,27 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 4);
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 8);
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
+  }
+  if constexpr (S::SLICED) {
+    // Every warp holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
+    __syncthreads();  // the code tables are no longer read (the merge reuses their space)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 2 * c + e;
+      if (r >= rows) continue;
+      const size_t part = ((size_t)bh * p.num_parts + split) * rows + r;
+      // l is 0 when no key was visible; a NaN (a non-finite key that was seen) stays NaN.
+      const float inv = l[e] != 0.f ? 1.f / l[e] : 0.f;
+      float* o = p.o_part + part * D;
+#pragma unroll
+      for (int t = 0; t < S::DIM_TILES; ++t) {
+        o[S::V::dim(vg, t, 0)] = l[e] != 0.f ? acc[t][e] * inv : 0.f;
+        o[S::V::dim(vg, t, 1)] = l[e] != 0.f ? acc[t][2 + e] * inv : 0.f;
+      }
+      if (warp == 0 && g == 0) p.lse_part[part] = l[e] != 0.f ? m[e] + log2f(l[e]) : -INFINITY;
+    }
+    if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+    return;
   }
   __syncthreads();  // the code tables are no longer read: their space takes the warps' outputs
   float* o_warp = reinterpret_cast<float*>(code_tables);  // [WARPS][MAX_ROWS][D]

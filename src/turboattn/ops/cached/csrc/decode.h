@@ -6,6 +6,9 @@ namespace turboattn {
 
 // Cache parts per (sequence, KV head) at most: the merge's scratch (ops/cached/config.py: CUDA_MAX_PARTS).
 constexpr int MAX_PARTS = 1024;
+// Arrival counters per (sequence, KV head): the final merge's, then one per group of a two-level merge (at most
+// COUNTERS_PER_HEAD - 1 groups; ops/cached/config.py: CUDA_COUNTERS_PER_HEAD).
+constexpr int COUNTERS_PER_HEAD = 17;
 
 struct DecodeParams {
   const void* q;
@@ -26,7 +29,8 @@ struct DecodeParams {
   float* lse_part;        // [B * Hkv * num_parts * rows]
   // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges the num_parts cache parts
   // with the fresh tokens (if any), adds the sinks, rotates back and writes out.
-  int* counters;          // [B * Hkv] zeros; each merge leaves its counter at zero again
+  int* counters;          // [B * Hkv * COUNTERS_PER_HEAD] zeros; each merge leaves its counters at zero again
+  int merge_group;        // parts per group of a two-level merge; >= num_parts: one level
   void* out;              // [B, Hq, Tq, D] contiguous, q's dtype
   const float* sinks;     // [Hq] or nullptr
   // Fresh tokens (has_fresh): k, v [B, Hkv, Tq, D] in q's dtype, sharing strides, attended in full precision by the
@@ -58,7 +62,7 @@ struct DecodeParams {
 #define TURBOATTN_BIT_PAIRS(X) \
   X(2, 2) X(2, 4) X(2, 8) X(3, 3) X(4, 2) X(4, 3) X(4, 4) X(4, 8) X(5, 3) X(5, 4) X(5, 5) X(6, 6) X(8, 2) X(8, 4) X(8, 8)
 
-// Launch decode<D, k_bits, v_bits, exact> (D = 64, 128, 256 by the function's name; the _exact functions for caches
+// Launch decode<D, k_bits, v_bits, exact> (D = 64, 128, 256, 512 by the function's name; the _exact functions for caches
 // with exact rows) on `stream` (a cudaStream_t), params.num_parts x batch_kv_heads CTAs: the CUDA error code
 // (0: none), or -1 for a bit pair the kernel is not built for.  Each in its own translation unit (decode_d*.cu) so
 // that nvcc builds them in parallel.
@@ -68,13 +72,18 @@ int launch_decode_d128(const turboattn::DecodeParams& params, int k_bits, int v_
                        void* stream);
 int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                        void* stream);
+int launch_decode_d512(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                       void* stream);
 int launch_decode_d64_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                             void* stream);
 int launch_decode_d128_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                              void* stream);
 int launch_decode_d256_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                              void* stream);
+int launch_decode_d512_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                             void* stream);
 // CTAs per SM the kernel of that shape is built for (its launch bound), or -1.
 int ctas_per_sm_d64(int k_bits, int v_bits);
 int ctas_per_sm_d128(int k_bits, int v_bits);
 int ctas_per_sm_d256(int k_bits, int v_bits);
+int ctas_per_sm_d512(int k_bits, int v_bits);

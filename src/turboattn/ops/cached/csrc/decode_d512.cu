@@ -1,0 +1,11 @@
+// decode<512, k_bits, v_bits, false> for each pair of TURBOATTN_BIT_PAIRS (caches without exact rows): one
+// translation unit per head dim and variant, built in parallel.
+#include "decode.cuh"
+
+int launch_decode_d512(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
+                      void* stream) {
+  return turboattn::launch_decode_for<512, false>(params, k_bits, v_bits, batch_kv_heads,
+                                                 static_cast<cudaStream_t>(stream));
+}
+
+int ctas_per_sm_d512(int k_bits, int v_bits) { return turboattn::ctas_per_sm_for<512>(k_bits, v_bits); }
