@@ -754,16 +754,15 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_r
   int* counters = p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD;
   float* scratch = reinterpret_cast<float*>(code_tables);
   const int gs = p.merge_group, groups = (p.num_parts + gs - 1) / gs;
+  int parts = p.num_parts, stride = 1;
   if (groups > 1) {
     const int group = cta.part / gs, first = group * gs, count = min(gs, p.num_parts - first);
     if (!arrive_last(counters + 1 + group, count, is_last)) return;
     merge_group<D>(p, first, count, scratch);
-    if (!arrive_last(counters, groups, is_last)) return;
-    merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, groups, gs);
-    return;
+    parts = groups, stride = gs;
   }
-  if (!arrive_last(counters, p.num_parts, is_last)) return;
-  merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, p.num_parts, 1);
+  if (!arrive_last(counters, parts, is_last)) return;
+  merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, parts, stride);
 }
 
 // The exact part (the CTA of part num_splits, in the kernels built for caches with exact rows): the
