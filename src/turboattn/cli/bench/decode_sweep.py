@@ -25,7 +25,7 @@ import torch
 from ... import KVCodec, cached_attention
 from .args import add_out, choices, positive_ints, powers_of_two, presets, shape
 from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, time_us_graph, write_results
-from .decode import fill_cache, sdpa_decode_us
+from .decode import dense_decode_us, fill_cache
 
 DEFAULT_SHAPES = [(8, 32, 8, 128, 32768), (1, 32, 8, 128, 32768)]
 LOOKUPS = ("lut", "gather")
@@ -79,7 +79,7 @@ def run(args) -> int:
     for shape_ in args.shapes:
         b, hq, hkv, d, length = shape_
         q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
-        sdpa_us, _ = sdpa_decode_us(q, hkv, length)
+        sdpa_us, _, _ = dense_decode_us(q, hkv, length, with_ours=False)
         for bits in args.presets:
             codec = KVCodec(d, *bits)
             cache = fill_cache(codec, b, hkv, length, device)
