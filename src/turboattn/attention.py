@@ -8,10 +8,14 @@ from dataclasses import replace
 import torch
 
 from .cache import QuantizedKVCache
-from .format.codec import check_attention_dtype
+from .format.codec import ATTENTION_DTYPES, check_attention_dtype
 from .ops.library import run, run_cached_attention
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode
+
+
+# A tensor's device on meta is always this one (no index): one comparison, where device.type builds a string.
+_META = torch.device("meta")
 
 
 def _check_tensor(name: str, t, dims: int) -> None:
@@ -33,11 +37,18 @@ def _check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def _is_positive(x) -> bool:
+    """Whether x is a positive finite number (not a bool); a plain float, the usual case, in one comparison."""
+    if type(x) is float:
+        return 0.0 < x < math.inf
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) -> None:
-    for name, x in (("scale", scale), ("softcap", softcap)):
-        if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
-                                  and math.isfinite(x) and x > 0):
-            raise ValueError(f"{name} must be a positive finite float or None, got {x!r}")
+    if scale is not None and not _is_positive(scale):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if softcap is not None and not _is_positive(softcap):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
     if sinks is None and alibi_slopes is None:
         return
     for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
@@ -85,19 +96,24 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     from q . k by a per-query constant that softmax ignores.  Softcap and sinks
     do not ignore it, so they need a transform without shift.
     """
+    # Every layer of every decode step runs this: each fact is read once (tensor attributes, cache fields), and
+    # checks that need a call run only where they can fail.
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a turboattn.QuantizedKVCache, got {type(cache).__name__}")
-    _check_tensor("q", q, 4)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in ATTENTION_DTYPES:
+        _check_tensor("q", q, 4)   # raises, naming what is wrong
     b, hq, tq, d = q.shape
-    if b != cache.batch_size or d != cache.codec.head_dim or tq < 1:
-        raise ValueError(f"q must be [B={cache.batch_size}, Hq, Tq>=1, D={cache.codec.head_dim}], got {tuple(q.shape)}")
-    if hq % cache.num_kv_heads != 0:
+    codec = cache.codec
+    if b != cache.batch_size or d != codec.head_dim or tq < 1:
+        raise ValueError(f"q must be [B={cache.batch_size}, Hq, Tq>=1, D={codec.head_dim}], got {tuple(q.shape)}")
+    hkv = cache.num_kv_heads
+    if hq % hkv != 0:
         raise ValueError(f"q has {hq} heads: query heads ({hq}) must be a multiple of the cache's KV heads "
-                         f"({cache.num_kv_heads})")
+                         f"({hkv})")
     device = q.device
     if device != cache.device:
         raise ValueError(f"q is on {device} but the cache is on {cache.device}")
-    if device.type == "meta":
+    if device == _META:
         raise ValueError("q is a meta tensor (a shape without data): cached_attention reads the cache's values")
     if (k is None) != (v is None):
         raise ValueError("pass both fresh k and v, or neither")
@@ -107,10 +123,11 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
             raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
-    _check_options(hq, device, scale, softcap, sinks)
-    if cache.has_key_shift and (softcap is not None or sinks is not None):
-        raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
-                         "would see; fit it with center=False for such models")
+    if scale is not None or softcap is not None or sinks is not None:
+        _check_options(hq, device, scale, softcap, sinks)
+        if (softcap is not None or sinks is not None) and cache.has_key_shift:
+            raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
+                             "would see; fit it with center=False for such models")
     if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
@@ -119,20 +136,20 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
 
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
-    impl = choose("cached_attention", backend, device, cache.codec.head_dim)
+    impl = choose("cached_attention", backend, device, codec.head_dim)
     layout = cache.layout
+    k_bits, v_bits = codec.k_bits, codec.v_bits
     if plan is not None:
         if num_splits is not None:
             plan = replace(plan, num_splits=num_splits)
     elif not cache.is_static:
-        rows = tq * (hq // cache.num_kv_heads)
-        plan = plan_decode(device, d, cache.codec.k_bits, cache.codec.v_bits, b * cache.num_kv_heads, rows,
-                           min(cache.max_seen, cache.capacity), num_splits, kernel=impl,
-                           exact_rows=layout.has_exact_rows)
+        # Positional: plan_decode's lru_cache builds a longer key for keywords.
+        plan = plan_decode(device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), min(cache.max_seen, cache.capacity),
+                           num_splits, None, impl, layout.exact_recent > 0 or layout.exact_first > 0)
     # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every
     # step, where the lengths held now would be a host read that changes every step.
-    return run_cached_attention(q, layout, k, v, sinks, cache.codec.k_bits, cache.codec.v_bits, _float(scale),
-                                _float(softcap), plan, num_splits, impl)
+    return run_cached_attention(q, layout, k, v, sinks, k_bits, v_bits, None if scale is None else float(scale),
+                                None if softcap is None else float(softcap), plan, num_splits, impl)
 
 
 def _float(x):

@@ -53,13 +53,17 @@ from operator import add
 
 import torch
 
-from ..format.codec import KVCodec, check_attention_dtype
+from ..format.codec import ATTENTION_DTYPES, KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops.backend import check_backend, choose
 from ..ops.cached.config import CUDA_COUNTERS_PER_HEAD
 from ..ops.device_tables import allocate_device_tables
 from ..ops.library import run_quantize_append
+
+
+# A tensor's device on meta is always this one (no index): one comparison, where device.type builds a string.
+_META = torch.device("meta")
 
 
 def _is_int(x) -> bool:
@@ -197,12 +201,14 @@ class QuantizedKVCache:
     def is_empty(self) -> bool:
         """Whether no token is held: read on the host without a sync in both modes (a static cache
         tracks whether anything was appended since creation, reset or a crop to zero)."""
-        return self._empty if self.is_static else max(self._seen_host) == 0
+        seen_host = self._seen_host
+        return self._empty if seen_host is None else max(seen_host) == 0
 
     @property
     def max_seen(self) -> int:
         """The longest sequence's token count.  A static cache reads it from the device (a sync)."""
-        return int(self.seen.max()) if self.is_static else max(self._seen_host)
+        seen_host = self._seen_host
+        return int(self.seen.max()) if seen_host is None else max(seen_host)
 
     @property
     def overflowed(self) -> torch.Tensor:
@@ -496,6 +502,19 @@ class QuantizedKVCache:
     # -- writes --------------------------------------------------------------
     def check_kv(self, k: torch.Tensor, v: torch.Tensor, name: str = "k/v") -> None:
         """Validate fresh k, v [B, Hkv, T, D] against this cache."""
+        # Every layer of every decode step checks its new tokens: valid ones pass in one expression (each
+        # condition below is one of _check_kv_in_order's), anything else gets that method's error.
+        device = self.device
+        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype in ATTENTION_DTYPES
+                and v.dtype == k.dtype and k.device == device and v.device == device and device != _META):
+            shape = k.shape
+            if (len(shape) == 4 and shape[0] == self.batch_size and shape[1] == self.num_kv_heads
+                    and shape[3] == self.codec.head_dim and shape[2] >= 1 and v.shape == shape):
+                return
+        self._check_kv_in_order(k, v, name)
+
+    def _check_kv_in_order(self, k: torch.Tensor, v: torch.Tensor, name: str) -> None:
+        """check_kv's checks one by one, each with its own error."""
         for label, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
@@ -534,22 +553,25 @@ class QuantizedKVCache:
         """
         check_backend(backend)
         self.check_kv(k, v, "append")
-        self._append(k, v, new_lengths, self._new_lengths(new_lengths, k.shape[2]), backend)
+        n = None if new_lengths is None else self._new_lengths(new_lengths, k.shape[2])
+        self._append(k, v, new_lengths, n, backend)
 
     def _append_validated(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step
         of the transformers integration validates its new tokens once, not twice."""
-        self._append(k, v, None, [k.shape[2]] * self.batch_size, "auto")
+        self._append(k, v, None, None, "auto")
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int], backend: str) -> None:
-        """append's work, its arguments checked; n: new_lengths as host ints (all T when None)."""
+    def _append(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int] | None, backend: str) -> None:
+        """append's work, its arguments checked; n: new_lengths as host ints (None: all T, new_lengths None)."""
         t = k.shape[2]
-        if not self.is_ring and not self.is_static:
-            worst = max(map(add, self._seen_host, n))
+        codec = self.codec
+        seen_host = self._seen_host   # None: static
+        if seen_host is not None and self.sliding_window is None:
+            worst = max(seen_host) + t if n is None else max(map(add, seen_host, n))
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
-        impl = choose("quantize_append", backend, k.device, self.codec.head_dim)
+        impl = choose("quantize_append", backend, k.device, codec.head_dim)
         # One op stores the codes (a static cache that runs out of room: only the tokens that fit), the exact rows,
         # and advances `seen` on the device (no host-to-device copy: decode steps stay capturable in a CUDA graph).
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
@@ -557,11 +579,11 @@ class QuantizedKVCache:
         if self.exact_first and self._first_rows_full():
             # Every first row is written: the op has none to copy (this layout is the append's alone).
             layout.first_k, layout.first_v, layout.exact_first = None, None, 0
-        run_quantize_append(k, v, layout, n_dev, self.codec.k_bits, self.codec.v_bits, self.codec.scale_rule, impl)
-        if self.is_static:
+        run_quantize_append(k, v, layout, n_dev, codec.k_bits, codec.v_bits, codec.scale_rule, impl)
+        if seen_host is None:
             self._empty = False
         else:
-            self._seen_host = list(map(add, self._seen_host, n))
+            self._seen_host = [s + t for s in seen_host] if n is None else list(map(add, seen_host, n))
 
     def _first_rows_full(self) -> bool:
         """Whether no append can write a first-token row: every sequence of a growing cache holds positions up to

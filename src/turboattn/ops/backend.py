@@ -70,7 +70,7 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
     """The implementation name that serves `op` for tensors on `device` with this head_dim (None: any)
     (host only: no tensor is read)."""
     if backend == "auto":
-        name = _auto(op, device.type, head_dim)
+        name = _auto(op, device, head_dim)
         if name is None:  # torch covers every device and head dim
             raise RuntimeError(f"no implementation of {op} supports device {device} with head_dim={head_dim}")
         return name
@@ -90,9 +90,12 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
     return impl.name
 
 
-@lru_cache(maxsize=None)  # every layer of every decode step asks (register() clears it)
-def _auto(op: str, device_type: str, head_dim: int | None) -> str | None:
-    """The name of the best implementation of `op` that "auto" may send this device type and head_dim to."""
+# Every layer of every decode step asks (register() clears it).  Keyed by the device itself: a torch.device hashes
+# in a few dozen ns, where device.type builds a new string each call.
+@lru_cache(maxsize=None)
+def _auto(op: str, device: torch.device, head_dim: int | None) -> str | None:
+    """The name of the best implementation of `op` that "auto" may send this device's type and head_dim to."""
+    device_type = device.type
     for impl in implementations(op):
         if ((device_type in impl.devices or "*" in impl.devices) and impl.serves(head_dim)
                 and all(importable(m) for m in impl.requires)):

@@ -148,10 +148,10 @@ def _capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num
 def _attend(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, k_bits: int,
             v_bits: int, scale: float | None, softcap: float | None, plan: DecodePlan, impl: str) -> Tensor:
     """cached_attention's body on a layout and a plan."""
-    codec = _codec(q.shape[-1], k_bits, v_bits, scale_dtype=layout.k_scales.dtype)
+    # Positional arguments throughout: a keyword costs the lru_cache key and the call a dict each.
+    codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", layout.k_scales.dtype)
     with _on(q.device):
-        return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale=scale, softcap=softcap,
-                                                      sinks=sinks, plan=plan)
+        return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale, softcap, sinks, plan)
 
 
 def run_cached_attention(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,

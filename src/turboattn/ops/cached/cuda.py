@@ -31,7 +31,11 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
     (config.cuda_kernel_serves) and the GPU.  Every storage option of the format is read (either scale dtype,
     exact rows)."""
     rows = q.shape[2] * (q.shape[1] // num_kv_heads)
-    return cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(q.device)
+    return _serves(codec, rows, q.device)
+
+
+def _serves(codec: KVCodec, rows: int, device: torch.device) -> bool:
+    return cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(device)
 
 
 def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
@@ -39,18 +43,22 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
                           softcap: float | None = None, sinks: torch.Tensor | None = None,
                           plan: DecodePlan | None = None) -> torch.Tensor:
     """cached_attention_triton's contract; runs the CUDA kernel when it serves the call."""
+    # Every layer of every decode step runs this up to the launch: layout fields are read directly rather than
+    # through the layout's properties, each once.
     b, hq, tq, d = q.shape
-    hkv = layout.num_kv_heads
+    k_codes = layout.k_codes
+    hkv = k_codes.shape[1]
     rows = tq * (hq // hkv)
-    ext = extension() if supports(q, codec, hkv) else None
-    exact = layout.has_exact_rows
+    dev = q.device
+    ext = extension() if _serves(codec, rows, dev) else None
+    exact_recent, exact_first = layout.exact_recent, layout.exact_first
+    exact = exact_recent > 0 or exact_first > 0
     if ext is not None and plan is None:
-        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, layout.capacity, kernel="cuda",
-                           exact_rows=exact)
-    num_parts = plan.num_splits + int(exact) if ext is not None else 0   # the exact part is one more
+        plan = plan_decode(dev, d, codec.k_bits, codec.v_bits, b * hkv, rows, k_codes.shape[2], None, None, "cuda",
+                           exact)
+    num_parts = plan.num_splits + exact if ext is not None else 0   # the exact part is one more
     if ext is None or num_parts > CUDA_MAX_PARTS:
         return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
-    dev = q.device
     if q.stride(3) != 1:
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)
@@ -64,21 +72,26 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
         if strides != v.stride() or strides[3] != 1:
             k, v = k.contiguous(), v.contiguous()
     # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
-    shifted = (k is not None or exact) and layout.has_key_transform and layout.key_shifted
-    key_shift = layout.key_shift if shifted else None
-    recent = _row_pair(layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
-    first = _row_pair(layout.first_k, layout.first_v) if layout.exact_first else (None, None)
+    transform = layout.key_gain is not None
+    key_shift = layout.key_shift if (k is not None or exact) and transform and layout.key_shifted else None
+    recent = _row_pair(layout.recent_k, layout.recent_v) if exact_recent else _NO_ROWS
+    first = _row_pair(layout.first_k, layout.first_v) if exact_first else _NO_ROWS
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
-    counters = (layout.merge_counters if layout.merge_counters is not None
-                else arrival_counters(dev, b * hkv * CUDA_COUNTERS_PER_HEAD))
+    counters = layout.merge_counters
+    if counters is None:
+        counters = arrival_counters(dev, b * hkv * CUDA_COUNTERS_PER_HEAD)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    ext.decode(q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-               layout.key_gain_inv if layout.has_key_transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev),
-               o_part, lse_part, float(q_scale), float(softcap or 0.0), layout.sliding_window or 0, plan.num_splits,
-               num_parts, layout.is_ring, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift,
-               *recent, *first, cuda_merge_group(num_parts, rows, d))
+    window = layout.sliding_window
+    ext.decode(q, k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
+               layout.key_gain_inv if transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev), o_part,
+               lse_part, float(q_scale), float(softcap or 0.0), window or 0, plan.num_splits, num_parts,
+               window is not None, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift, *recent,
+               *first, cuda_merge_group(num_parts, rows, d))
     return out
+
+
+_NO_ROWS = (None, None)
 
 
 @lru_cache(maxsize=None)

@@ -23,8 +23,10 @@ _ALIGN = 16   # the kernel reads each lane's 32 values with 16-byte loads
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """x with unit stride along D and every row 16-byte aligned (a copy only when it is not)."""
     size = x.element_size()
-    if (x.stride(3) == 1 and x.data_ptr() % _ALIGN == 0
-            and all(s * size % _ALIGN == 0 for s in x.stride()[:3])):
+    s0, s1, s2, s3 = x.stride()
+    # Strides are non-negative: the OR of the address and the byte strides is a multiple of 16 when each is
+    # (one test instead of a generator per tensor: this runs twice per layer and decode step).
+    if s3 == 1 and (x.data_ptr() | s0 * size | s1 * size | s2 * size) % _ALIGN == 0:
         return x
     return x.contiguous() if not x.is_contiguous() else x.clone()
 
@@ -49,26 +51,36 @@ def _tables(k_bits: int, v_bits: int, head_dim: int, device: torch.device) -> tu
     return (*cell_grid(k_bits, device), *cell_grid(v_bits, device), device_signs(head_dim, device))
 
 
+_NO_ROWS = (None, None)
+
+
+def _unit_d_stride(rows: tuple) -> bool:
+    """Whether an exact-row pair (or none) has unit stride along D, as the kernel reads it."""
+    rows_k, rows_v = rows
+    return (rows_k is None or rows_k.stride(3) == 1) and (rows_v is None or rows_v.stride(3) == 1)
+
+
 def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
                          new_lengths: torch.Tensor | None, advance: bool = True) -> None:
     """quantize_append_naive's contract in one launch (codes, exact rows, lengths) when the kernel serves the call;
     the Triton path otherwise."""
     d = codec.head_dim
     ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(k.device) else None
-    recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else (None, None)
-    first = (layout.first_k, layout.first_v) if layout.exact_first else (None, None)
-    if ext is None or not all(x is None or x.stride(3) == 1 for x in (*recent, *first)):
+    recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else _NO_ROWS
+    first = (layout.first_k, layout.first_v) if layout.exact_first else _NO_ROWS
+    if ext is None or not (_unit_d_stride(recent) and _unit_d_stride(first)):
         quantize_append_triton(k, v, layout, codec, new_lengths, advance)
         return
     if k.dtype != v.dtype:
         v = v.to(k.dtype)
     k, v = _aligned(k), _aligned(v)
-    transform = layout.has_key_transform
+    key_gain = layout.key_gain   # None without a key transform
     # The arrival counter of the lengths' advance (None: the kernel leaves seen alone).
     counters = None if not advance else layout.merge_counters if layout.merge_counters is not None else \
         arrival_counters(k.device, 1)
+    k_bits, v_bits = codec.k_bits, codec.v_bits
     ext.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
-                        *_tables(codec.k_bits, codec.v_bits, d, k.device),
-                        layout.key_shift if transform else None, layout.key_gain if transform else None,
+                        *_tables(k_bits, v_bits, d, k.device),
+                        layout.key_shift if key_gain is not None else None, key_gain,
                         layout.seen, layout.starts, counters, new_lengths, layout.nonfinite, *recent, *first,
-                        codec.k_bits, codec.v_bits, codec.scale_rule_id, layout.is_ring)
+                        k_bits, v_bits, codec.scale_rule_id, layout.sliding_window is not None)
