@@ -9,15 +9,14 @@ mode the op's body directly, because the dispatcher's Python round trip costs ~2
 much as a whole decode kernel at small batch.  The eager path takes the layout as it is, not spelled
 out and rebuilt: a decode step calls both ops in every layer, and its host time is the user's.
 
-Every body runs under a device guard for its tensors' GPU (`_on`): a Triton launch takes the device
-and stream from torch's *current* device (triton.runtime.jit: driver.active.get_current_device()),
-not from its arguments, so a call on cuda:1 tensors while cuda:0 is current would otherwise launch
-on cuda:0's stream with cuda:1 pointers.  The CUDA extension guards itself (csrc/binding.cpp).
+Every body runs under a device guard for its tensors' GPU (`_on`, guard.py: Triton launches on torch's
+current device), except the CUDA implementations' (`SELF_GUARDED`): the extension guards itself
+(csrc/binding.cpp) and their Triton fallbacks enter the guard, so that a decode step on the GPU enters
+none twice per layer.
 """
 
 from __future__ import annotations
 
-import contextlib
 from functools import lru_cache
 
 import torch
@@ -27,6 +26,7 @@ from ..format.codec import KVCodec
 from ..format.layout import CacheLayout
 from . import backend, cached, flash, quantize  # noqa: F401  (the packages register their implementations)
 from .cached.config import DecodePlan, plan_decode
+from .guard import device_guard
 from .quantize.naive import advance_lengths
 
 
@@ -37,13 +37,10 @@ def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected
     return KVCodec(head_dim, k_bits, v_bits, scale_rule, scale_dtype)
 
 
-_NO_GUARD = contextlib.nullcontext()
+_on = device_guard
 
-
-def _on(device: torch.device):
-    """A guard that makes `device` torch's current CUDA device for the block (nothing for other devices):
-    Triton and torch.cuda.current_stream() then see the tensors' device and its current stream."""
-    return torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD
+# The implementations that guard their launches themselves (module docstring).
+SELF_GUARDED = "cuda"
 
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
@@ -77,8 +74,12 @@ def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | 
     """quantize_append's body on a layout; advance: the implementation also advances seen (the CUDA kernel in the
     same launch)."""
     codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, layout.k_scales.dtype)
+    body = backend.load("quantize_append", impl)
+    if impl == SELF_GUARDED:
+        body(k, v, layout, codec, new_lengths, advance)
+        return
     with _on(k.device):
-        backend.load("quantize_append", impl)(k, v, layout, codec, new_lengths, advance)
+        body(k, v, layout, codec, new_lengths, advance)
 
 
 def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int,
@@ -150,8 +151,11 @@ def _attend(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, 
     """cached_attention's body on a layout and a plan."""
     # Positional arguments throughout: a keyword costs the lru_cache key and the call a dict each.
     codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", layout.k_scales.dtype)
+    body = backend.load("cached_attention", impl)
+    if impl == SELF_GUARDED:
+        return body(q, layout, codec, k, v, scale, softcap, sinks, plan)
     with _on(q.device):
-        return backend.load("cached_attention", impl)(q, layout, codec, k, v, scale, softcap, sinks, plan)
+        return body(q, layout, codec, k, v, scale, softcap, sinks, plan)
 
 
 def run_cached_attention(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,

@@ -5,7 +5,8 @@ One launch covers the cache splits and their merge: with exact rows (an exact re
 tokens), one more CTA attends them in full precision as one more part; the last CTA of each sequence x KV
 head attends the fresh k/v tokens (when given) in full precision, merges them with the parts, adds the
 sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
-query rows per KV head, GPUs before sm_80) go to the Triton path.  The extension is built with nvcc on first use
+query rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which
+the extension's launches do without: they guard themselves.  The extension is built with nvcc on first use
 (ops/cuda_extension.py), for the GPUs this process sees.
 """
 
@@ -20,6 +21,7 @@ from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
+from ..guard import device_guard
 from .config import CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, cuda_merge_group, plan_decode
 from .triton import cached_attention_triton, part_buffers, query_scale
 
@@ -58,7 +60,8 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
                            exact)
     num_parts = plan.num_splits + exact if ext is not None else 0   # the exact part is one more
     if ext is None or num_parts > CUDA_MAX_PARTS:
-        return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
+        with device_guard(dev):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
+            return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
     if q.stride(3) != 1:
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)

@@ -13,6 +13,7 @@ from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
+from ..guard import device_guard
 from .config import boundary_grid
 from .triton import quantize_append_triton
 
@@ -20,13 +21,24 @@ CUDA_QUANTIZE_HEAD_DIMS = (64, 128, 256, 512)
 _ALIGN = 16   # the kernel reads each lane's 32 values with 16-byte loads
 
 
-def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """x with unit stride along D and every row 16-byte aligned (a copy only when it is not)."""
+def _aligned(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v (one dtype) with unit stride along D and every row 16-byte aligned (a copy of one that is not)."""
+    size = k.element_size()
+    k0, k1, k2, k3 = k.stride()
+    v0, v1, v2, v3 = v.stride()
+    # Strides are non-negative: the OR of the addresses and the byte strides is a multiple of 16 when each is (one
+    # test where a generator per tensor took microseconds: this runs in every layer of every decode step).
+    if (k3 == 1 and v3 == 1 and (k.data_ptr() | v.data_ptr()
+                                 | (k0 | k1 | k2 | v0 | v1 | v2) * size) % _ALIGN == 0):
+        return k, v
+    return _aligned_one(k), _aligned_one(v)
+
+
+def _aligned_one(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it with unit stride along D and every row 16-byte aligned."""
     size = x.element_size()
     s0, s1, s2, s3 = x.stride()
-    # Strides are non-negative: the OR of the address and the byte strides is a multiple of 16 when each is
-    # (one test instead of a generator per tensor: this runs twice per layer and decode step).
-    if s3 == 1 and (x.data_ptr() | s0 * size | s1 * size | s2 * size) % _ALIGN == 0:
+    if s3 == 1 and (x.data_ptr() | (s0 | s1 | s2) * size) % _ALIGN == 0:
         return x
     return x.contiguous() if not x.is_contiguous() else x.clone()
 
@@ -54,10 +66,12 @@ def _tables(k_bits: int, v_bits: int, head_dim: int, device: torch.device) -> tu
 _NO_ROWS = (None, None)
 
 
-def _unit_d_stride(rows: tuple) -> bool:
-    """Whether an exact-row pair (or none) has unit stride along D, as the kernel reads it."""
-    rows_k, rows_v = rows
-    return (rows_k is None or rows_k.stride(3) == 1) and (rows_v is None or rows_v.stride(3) == 1)
+def _unit_d_stride(*rows: torch.Tensor | None) -> bool:
+    """Whether the exact rows given (None: none) have unit stride along D, as the kernel reads them."""
+    for x in rows:
+        if x is not None and x.stride(3) != 1:
+            return False
+    return True
 
 
 def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
@@ -66,14 +80,16 @@ def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, 
     the Triton path otherwise."""
     d = codec.head_dim
     ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(k.device) else None
-    recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else _NO_ROWS
-    first = (layout.first_k, layout.first_v) if layout.exact_first else _NO_ROWS
-    if ext is None or not (_unit_d_stride(recent) and _unit_d_stride(first)):
-        quantize_append_triton(k, v, layout, codec, new_lengths, advance)
+    exact_recent, exact_first = layout.exact_recent, layout.exact_first
+    recent = (layout.recent_k, layout.recent_v) if exact_recent else _NO_ROWS
+    first = (layout.first_k, layout.first_v) if exact_first else _NO_ROWS
+    if ext is None or ((exact_recent or exact_first) and not _unit_d_stride(*recent, *first)):
+        with device_guard(k.device):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
+            quantize_append_triton(k, v, layout, codec, new_lengths, advance)
         return
     if k.dtype != v.dtype:
         v = v.to(k.dtype)
-    k, v = _aligned(k), _aligned(v)
+    k, v = _aligned(k, v)
     key_gain = layout.key_gain   # None without a key transform
     # The arrival counter of the lengths' advance (None: the kernel leaves seen alone).
     counters = None if not advance else layout.merge_counters if layout.merge_counters is not None else \
