@@ -3,6 +3,7 @@ static mode (lengths on the device only: overflow flag, fixed storage)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -283,6 +284,34 @@ def test_reset_gives_a_fresh_cache(static, gen):
     cache.append(k2, v2)
     fresh.append(k2, v2)
     assert_same_state(cache, fresh)
+
+
+def assert_layout_is_current(cache):
+    """cache.layout (one object until the cache's tensors change) holds the cache's tensors and flags now."""
+    layout = cache.layout
+    for field in dataclasses.fields(layout):
+        got = getattr(layout, field.name)
+        want = cache.has_key_shift if field.name == "key_shifted" else getattr(cache, field.name)
+        assert got is want if isinstance(want, torch.Tensor) or want is None else got == want, field.name
+
+
+@BOTH_MODES
+def test_layout_follows_every_edit_of_the_tensors(static, gen):
+    """Each edit that replaces a tensor or the key transform's flag hands out a new layout: a stale one would
+    attend or append to the old storage."""
+    codec = ta.KVCodec(64, 4, 3)
+    cache = ta.QuantizedKVCache(codec, batch_size=3, num_kv_heads=2, capacity=8, static=static, exact_recent=2,
+                                exact_first=2)
+    edits = [lambda: cache.set_key_transform(*transform(gen, 3, 2, 64)), lambda: cache.append(*kv(gen, 3, 2, 3, 64)),
+             lambda: cache.crop(2), lambda: cache.batch_select_indices([2, 0, 0]),
+             lambda: cache.batch_select_indices([1, 0]), lambda: cache.reset(),
+             lambda: cache.set_key_transform(*transform(gen, 2, 2, 64)), lambda: cache.append(*kv(gen, 2, 2, 5, 64))]
+    if not static:
+        edits.insert(2, lambda: cache.reserve(16))
+    for edit in edits:
+        assert_layout_is_current(cache)   # asked before the edit: a layout to hand out again
+        edit()
+        assert_layout_is_current(cache)
 
 
 def test_edit_arguments_are_checked(gen):

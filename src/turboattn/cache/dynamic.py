@@ -170,6 +170,7 @@ class QuantizedKVCache:
         self.key_gain_inv: torch.Tensor | None = None   # 1 / gain, what the kernels multiply q by
         self._key_shifted = False
         self._key_buffers: tuple[torch.Tensor, ...] | None = None   # static: the transform's fixed storage
+        self._layouts: tuple[CacheLayout, CacheLayout | None] | None = None   # `layout`'s, see _layout_views
         self._mark_static()
         if self.device.type == "cuda":
             allocate_device_tables(codec, self.device)   # before any CUDA graph (ops/device_tables.py)
@@ -177,11 +178,37 @@ class QuantizedKVCache:
     # -- state ---------------------------------------------------------------
     @property
     def layout(self) -> CacheLayout:
-        """The tensors as the ops take them (a view: writes through it land in this cache)."""
+        """The tensors as the ops take them (a view: writes through it land in this cache).  Eagerly one object
+        until the cache's tensors change (read-only: assign nothing to it), as a decode step asks in every layer."""
+        if torch.compiler.is_compiling():
+            return self._new_layout()   # traced: built in the graph, no cached object to guard on
+        return (self._layouts or self._layout_views())[0]
+
+    def _new_layout(self) -> CacheLayout:
         return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
                            self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted,
                            self.nonfinite, self.merge_counters, self.recent_k, self.recent_v, self.exact_recent,
                            self.first_k, self.first_v, self.exact_first)
+
+    def _layout_views(self) -> tuple[CacheLayout, CacheLayout | None]:
+        """(layout, the same without the exact first rows: what an append takes once every first row is written;
+        None without exact first tokens), built once after each change of the tensors (_tensors_changed)."""
+        if torch.compiler.is_compiling():
+            return self._new_layout_views()   # traced: built in the graph, no cached object to guard on
+        if self._layouts is None:
+            self._layouts = self._new_layout_views()
+        return self._layouts
+
+    def _new_layout_views(self) -> tuple[CacheLayout, CacheLayout | None]:
+        without_first = None
+        if self.exact_first:
+            without_first = self._new_layout()
+            without_first.first_k, without_first.first_v, without_first.exact_first = None, None, 0
+        return self._new_layout(), without_first
+
+    def _tensors_changed(self) -> None:
+        """Called by every method that assigns a field of the layout (a tensor, the key transform's flag)."""
+        self._layouts = None
 
     @property
     def is_ring(self) -> bool:
@@ -279,6 +306,7 @@ class QuantizedKVCache:
         self._empty = True
         self.key_shift = self.key_gain = self.key_gain_inv = None
         self._key_shifted = False
+        self._tensors_changed()
 
     def received_nonfinite(self) -> bool:
         """Whether any K/V vector appended since creation (or reset) held a NaN or infinity.
@@ -319,6 +347,7 @@ class QuantizedKVCache:
             self.key_gain = gain.contiguous()
             self.key_gain_inv = 1.0 / self.key_gain
         self._key_shifted = bool(self.key_shift.any())
+        self._tensors_changed()
 
     def stored_keys(self, k: torch.Tensor) -> torch.Tensor:
         """k [B, Hkv, T, D] as the cache codes it: (k - shift) * gain in float32, or k without a transform."""
@@ -364,6 +393,7 @@ class QuantizedKVCache:
             new[:, :, :self.capacity] = old
             setattr(self, name, new)
         self.capacity = capacity
+        self._tensors_changed()
 
     # -- edits: speculative decoding (crop), beam and contrastive search (batch) ---------
     def crop(self, max_length: int) -> None:
@@ -469,6 +499,7 @@ class QuantizedKVCache:
             self._mark_static()
         # The host flag may turn off when no shifted sequence is left (indices were read on the host anyway).
         self._key_shifted = self._key_shifted and bool(self.key_shift.any())
+        self._tensors_changed()
 
     def reorder_cache(self, beam_idx: Sequence[int] | torch.Tensor) -> None:
         """Beam search: sequence b becomes the old sequence beam_idx[b] (B entries, repeats allowed)."""
@@ -575,10 +606,9 @@ class QuantizedKVCache:
         # One op stores the codes (a static cache that runs out of room: only the tokens that fit), the exact rows,
         # and advances `seen` on the device (no host-to-device copy: decode steps stay capturable in a CUDA graph).
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
-        layout = self.layout
-        if self.exact_first and self._first_rows_full():
-            # Every first row is written: the op has none to copy (this layout is the append's alone).
-            layout.first_k, layout.first_v, layout.exact_first = None, None, 0
+        layout, without_first = self._layout_views()
+        if without_first is not None and self._first_rows_full():
+            layout = without_first   # every first row is written: the op has none to copy
         run_quantize_append(k, v, layout, n_dev, codec.k_bits, codec.v_bits, codec.scale_rule, impl)
         if seen_host is None:
             self._empty = False

@@ -44,9 +44,9 @@ from .codec import KVCodec, Packed
 from .key_transform import from_stored_keys
 
 
-# eq=False: tensors have no single truth value.  Not frozen, though nothing assigns to a layout (dataclasses.replace
-# makes another): a frozen dataclass's __init__ sets each field through object.__setattr__, ~1.8 µs more per layout
-# than plain stores, and a decode step builds one per op call in every layer.
+# eq=False: tensors have no single truth value.  Not frozen, though nothing assigns to a layout it did not build
+# (dataclasses.replace makes another; a cache hands one object out until its tensors change): a frozen dataclass's
+# __init__ sets each field through object.__setattr__, ~1.8 µs more per layout than plain stores.
 @dataclass(eq=False)
 class CacheLayout:
     k_codes: torch.Tensor
