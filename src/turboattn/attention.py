@@ -117,13 +117,19 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
         raise ValueError("q is a meta tensor (a shape without data): cached_attention reads the cache's values")
     if (k is None) != (v is None):
         raise ValueError("pass both fresh k and v, or neither")
-    if k is not None:
+    # A decode step's fresh k, v pass in one expression (q's dtype and device, [B, Hkv, Tq, D]: every check
+    # below); anything else runs them in order for the error.
+    if k is not None and not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == q.dtype
+                              and v.dtype == q.dtype and k.device == device and v.device == device
+                              and k.shape == (b, hkv, tq, d) and v.shape == (b, hkv, tq, d)):
         cache.check_kv(k, v, "cached_attention")
         if k.shape[2] != tq:
             raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
-    if scale is not None or softcap is not None or sinks is not None:
+    # A model's call has no softcap or sinks and a plain float scale, checked here: no call.
+    plain_scale = scale is None or (type(scale) is float and 0.0 < scale < math.inf)
+    if not plain_scale or softcap is not None or sinks is not None:
         _check_options(hq, device, scale, softcap, sinks)
         if (softcap is not None or sinks is not None) and cache.has_key_shift:
             raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "

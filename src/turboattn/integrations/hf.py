@@ -86,12 +86,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the hf ext
 _handoff = threading.local()
 
 
-def _take_pending_layer():
-    layer = getattr(_handoff, "layer", None)
-    _handoff.layer = None
-    return layer
-
-
 class TurboQuantLayer(CacheLayerMixin):
     """One attention layer's compressed K/V (a transformers cache layer); static with max_cache_len."""
 
@@ -232,7 +226,7 @@ class TurboQuantLayer(CacheLayerMixin):
                 return out
             self.store(k, v)
             return cached_attention(q, cache, scale=scale, softcap=softcap, sinks=sinks)
-        out = cached_attention(q, cache, k, v, scale=scale, softcap=softcap, sinks=sinks)
+        out = cached_attention(q, cache, k, v, scale, softcap, sinks)   # positional: a decode step's call
         self.store(k, v, validated=True)
         return out
 
@@ -241,7 +235,7 @@ class TurboQuantLayer(CacheLayerMixin):
         cache stores what fits and flags the rest: QuantizedKVCache.overflowed).  validated: cached_attention
         has just checked k, v against this cache."""
         cache = self.cache
-        if not cache.is_static and not cache.is_ring:
+        if not self.is_compileable and not self.is_sliding:   # the cache's is_static and is_ring
             need = cache.max_seen + k.shape[2]
             if need > cache.capacity:
                 cache.reserve(max(need, 2 * cache.capacity))  # doubling keeps the copies amortized O(1) per token
@@ -427,7 +421,8 @@ def turboattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if dropout:
         raise ValueError(f"turboattn attention is inference-only, got dropout={dropout}")
     sinks = None if s_aux is None else s_aux.to(torch.float32)
-    layer = _take_pending_layer()
+    layer = getattr(_handoff, "layer", None)   # the pending layer, taken
+    _handoff.layer = None
     if layer is not None:
         if layer.sliding_window != sliding_window:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: the cache was built for "
