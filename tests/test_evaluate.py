@@ -101,3 +101,21 @@ def test_reserve_grows_a_contiguous_cache_and_keeps_its_contents():
     ring = QuantizedKVCache(KVCodec(64, 4, 4), 1, 1, sliding_window=4)
     with pytest.raises(ValueError, match="ring"):
         ring.reserve(8)
+
+
+def test_passkey_caches_carry_the_cache_options():
+    """The passkey rows measure the caches the perplexity rows do: exact first tokens, exact window and scale dtype
+    reach the passkey caches, one per combination, named like the perplexity methods."""
+    from turboattn.cli import main as cli
+
+    args = cli.build_parser().parse_args(["eval", "--passkey-lengths", "512", "--passkey-presets", "k4v3,k8v8",
+                                          "--exact-first", "0,4", "--exact-recent", "64",
+                                          "--scale-dtype", "bfloat16"])
+    caches = ev.passkey_caches(args, head_dim=64)
+    assert sorted(caches) == ["k4v3-center-r64-bf16scales", "k4v3-center-s4-r64-bf16scales",
+                              "k8v8-center-r64-bf16scales", "k8v8-center-s4-r64-bf16scales"]
+    cache = caches["k4v3-center-s4-r64-bf16scales"](tiny_llama())
+    assert (cache.k_bits, cache.v_bits, cache.exact_first, cache.exact_recent) == (4, 3, 4, 64)
+    assert cache.scale_dtype == torch.bfloat16
+    plain = cli.build_parser().parse_args(["eval", "--passkey-lengths", "512", "--passkey-presets", "k4v4"])
+    assert list(ev.passkey_caches(plain, head_dim=64)) == ["k4v4-center"]  # the names of earlier results

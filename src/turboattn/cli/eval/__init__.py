@@ -48,6 +48,7 @@ QUALITY.md markdown); this module is the command and re-exports their names.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -67,7 +68,7 @@ from .scoring import AttnRecorder, compare, eval_tokens, quick_check, run_method
 
 # The command, and the names of the modules above that callers reach as `ev.<name>`
 # (`from turboattn.cli import eval as ev`: tests, demo.py).
-__all__ = ["add_arguments", "run_eval", "CORPUS_INFO", "corpus_text", "FIT_SUFFIX", "MAIN_PRESETS",
+__all__ = ["add_arguments", "run_eval", "passkey_caches", "CORPUS_INFO", "corpus_text", "FIT_SUFFIX", "MAIN_PRESETS",
            "MIXED_CANDIDATES", "PEERS", "RULES", "Method", "bits_per_element", "parse_preset", "reference_method",
            "turbo_method", "PASSKEY_ANSWER_TOKENS", "passkey_hits", "passkey_trial", "check_peer",
            "peer_default_method", "peer_quantizer", "peer_strict_method", "markdown_tables", "plot",
@@ -187,6 +188,18 @@ def _out_path(args) -> Path:
     return args.out
 
 
+def passkey_caches(args: argparse.Namespace, head_dim: int) -> dict:
+    """{name: make_cache(model)} of the passkey presets, with the perplexity runs' cache options (key fits, exact
+    first tokens, exact window, scale dtype): the passkey rows measure the caches the perplexity rows do."""
+    caches = {}
+    for p in _resolve_presets(args.passkey_presets, head_dim):
+        for fit, s, w, sd in itertools.product(args.key_fit, args.exact_first, args.exact_recent, args.scale_dtype):
+            method = turbo_method(p, "corrected", "decode", exact_decode=True, fit_keys=fit, exact_recent=w,
+                                  exact_first=s, scale_dtype=sd, recent_sliding=not args.exact_recent_full_only)
+            caches[method.name.replace("-corrected-decode", "", 1)] = method.make_cache
+    return caches
+
+
 def run_eval(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -283,11 +296,7 @@ def run_eval(args) -> int:
     passkey = {}
     if lengths:
         from transformers import DynamicCache
-        pk_methods = {"reference": lambda m: DynamicCache(config=m.config)}
-        for p in _resolve_presets(args.passkey_presets, head_dim):
-            for fit in fits:
-                pk_methods[p + FIT_SUFFIX[fit]] = turbo_method(p, "corrected", "decode", exact_decode=True,
-                                                                         fit_keys=fit).make_cache
+        pk_methods = {"reference": lambda m: DynamicCache(config=m.config)} | passkey_caches(args, head_dim)
         for name, make in pk_methods.items():
             console.print(f"passkey {name} ...")
             hits = passkey_hits(model, tok, make, lengths, args.passkey_trials)
