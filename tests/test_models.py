@@ -25,7 +25,7 @@ from transformers import DynamicCache  # noqa: E402
 from turboattn.cli import eval as ev  # noqa: E402
 from turboattn.cli.corpus import corpus_text  # noqa: E402
 from turboattn.hf import TurboQuantCache  # noqa: E402
-from turboattn.cli.models import gguf_path, load_model  # noqa: E402
+from turboattn.cli.models import TOKENIZER_CHECKS, check_tokenizer, gguf_path, load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,23 @@ def test_loader_finds_packaged_files():
         assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
     with pytest.raises(ValueError, match="model must be one of"):
         gguf_path("llama-70b")
+
+
+def test_tokenizers_give_their_known_answers_and_a_wrong_one_stops_the_load():
+    """Both GGUF tokenizers as this transformers reads them encode the known answer; a tokenizer that does not (as
+    transformers 5.17 read Gemma-3's: no BOS, words in pieces) stops the load with a message that says why."""
+    from transformers import AutoTokenizer
+
+    for name in TOKENIZER_CHECKS:
+        path = gguf_path(name)
+        check_tokenizer(name, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+
+    class Pieces:  # the ids transformers 5.17 gave for "The Jargon File"
+        def __call__(self, text):
+            return type("Encoding", (), {"input_ids": [818, 730, 1187, 498, 633, 755]})()
+    with pytest.raises(RuntimeError, match=r"reads gemma3's tokenizer from its GGUF wrongly: 'The Jargon File' "
+                                           r"encodes as \[818, 730, 1187, 498, 633, 755\]"):
+        check_tokenizer("gemma3", Pieces())
 
 
 def test_8bit_cache_generates_the_same_32_tokens(smollm2):

@@ -66,6 +66,27 @@ def gguf_path(name: str) -> Path:
     return Path(g.assemble(out))
 
 
+# A known answer of each model's tokenizer, checked on every load.  transformers 5.17 built Gemma-3's tokenizer
+# from the GGUF without its merges: no BOS and words cut into pieces ("Jargon" in three), on which the model's
+# perplexity of the corpus doubles (98 against 52 on its first 2K window) and every comparison measures text the
+# model never saw.  transformers 5.24 gives the ids below.
+TOKENIZER_CHECKS = {
+    "smollm2": ("The Jargon File", [504, 530, 26035, 12110]),
+    "gemma3": ("The Jargon File", [2, 818, 730, 89178, 7992]),
+}
+
+
+def check_tokenizer(name: str, tokenizer) -> None:
+    """Raise when `tokenizer` does not encode the model's known answer (TOKENIZER_CHECKS) as expected."""
+    text, want = TOKENIZER_CHECKS[name]
+    got = list(tokenizer(text).input_ids)
+    if got != want:
+        import transformers
+        raise RuntimeError(f"transformers {transformers.__version__} reads {name}'s tokenizer from its GGUF "
+                           f"wrongly: {text!r} encodes as {got}, expected {want} (transformers 5.24 is known "
+                           f"good, 5.17 known bad); upgrade transformers")
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, device=None,
                attn_implementation: str = "sdpa"):
     """(model, tokenizer) for "smollm2" or "gemma3", loaded offline from the GGUF packages."""
@@ -79,6 +100,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device=None,
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kwargs = dict(gguf_file=path.name, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_tokenizer(name, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), attn_implementation=attn_implementation,
                                                  **kwargs)
     model.eval()
