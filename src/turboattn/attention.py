@@ -8,14 +8,10 @@ from dataclasses import replace
 import torch
 
 from .cache import QuantizedKVCache
-from .format.codec import ATTENTION_DTYPES, check_attention_dtype
+from .format.codec import ATTENTION_DTYPES, META_DEVICE, check_attention_dtype
 from .ops.library import run, run_cached_attention
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode
-
-
-# A tensor's device on meta is always this one (no index): one comparison, where device.type builds a string.
-_META = torch.device("meta")
 
 
 def _check_tensor(name: str, t, dims: int) -> None:
@@ -113,7 +109,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     device = q.device
     if device != cache.device:
         raise ValueError(f"q is on {device} but the cache is on {cache.device}")
-    if device == _META:
+    if device == META_DEVICE:
         raise ValueError("q is a meta tensor (a shape without data): cached_attention reads the cache's values")
     if (k is None) != (v is None):
         raise ValueError("pass both fresh k and v, or neither")
@@ -127,9 +123,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
             raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
-    # A model's call has no softcap or sinks and a plain float scale, checked here: no call.
-    plain_scale = scale is None or (type(scale) is float and 0.0 < scale < math.inf)
-    if not plain_scale or softcap is not None or sinks is not None:
+    # A model's call has no softcap or sinks and a plain positive scale: _check_options would find nothing.
+    if not (scale is None or _is_positive(scale)) or softcap is not None or sinks is not None:
         _check_options(hq, device, scale, softcap, sinks)
         if (softcap is not None or sinks is not None) and cache.has_key_shift:
             raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "

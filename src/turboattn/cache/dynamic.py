@@ -53,17 +53,13 @@ from operator import add
 
 import torch
 
-from ..format.codec import ATTENTION_DTYPES, KVCodec, check_attention_dtype
+from ..format.codec import ATTENTION_DTYPES, META_DEVICE, KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops.backend import check_backend, choose
 from ..ops.cached.config import CUDA_COUNTERS_PER_HEAD
 from ..ops.device_tables import allocate_device_tables
 from ..ops.library import run_quantize_append
-
-
-# A tensor's device on meta is always this one (no index): one comparison, where device.type builds a string.
-_META = torch.device("meta")
 
 
 def _is_int(x) -> bool:
@@ -537,7 +533,7 @@ class QuantizedKVCache:
         # condition below is one of _check_kv_in_order's), anything else gets that method's error.
         device = self.device
         if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype in ATTENTION_DTYPES
-                and v.dtype == k.dtype and k.device == device and v.device == device and device != _META):
+                and v.dtype == k.dtype and k.device == device and v.device == device and device != META_DEVICE):
             shape = k.shape
             if (len(shape) == 4 and shape[0] == self.batch_size and shape[1] == self.num_kv_heads
                     and shape[3] == self.codec.head_dim and shape[2] >= 1 and v.shape == shape):

@@ -34,6 +34,9 @@ NORM_BLOCK = 256
 # entry points take ATTENTION_DTYPES, the kernels' dtypes, and check them with check_attention_dtype.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A tensor's device on meta is always this one (no index): the hot paths' checks compare with it, where
+# device.type builds a string.
+META_DEVICE = torch.device("meta")
 Kind = Literal["k", "v"]
 
 # Bit planes per width: a b-bit code is split into planes of 4, 2 and 1 bits
