@@ -7,10 +7,10 @@ BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboattn.ops.cached.config import (CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS,
-                                         CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_WIDE, CUDA_MIN_KEYS_PER_SPLIT,
-                                         CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT, cuda_exact_splits, cuda_merge_group,
-                                         cuda_num_splits)
+from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_TAIL_KEYS,
+                                         CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_WIDE,
+                                         CUDA_MIN_KEYS_PER_SPLIT, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
+                                         cuda_exact_splits, cuda_filled_splits, cuda_merge_group, cuda_num_splits)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -28,6 +28,28 @@ def test_split_rule_bounds(resident, bkv, d, tokens):
     assert splits == 1 or tokens >= splits * CUDA_MIN_KEYS_PER_SPLIT
 
 
+def _chunk(tokens: int, splits: int) -> int:
+    """Keys per split as the kernel cuts them (csrc/decode.cuh: ceil(held / splits), rounded up to the alignment)."""
+    return -(-(-(-tokens // splits)) // CUDA_CHUNK_ALIGN) * CUDA_CHUNK_ALIGN
+
+
+@settings(max_examples=500, deadline=None)
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256, 512]), TOKENS)
+def test_no_split_of_a_full_cache_is_empty(resident, bkv, d, tokens):
+    splits = cuda_num_splits(resident, bkv, d, tokens)
+    assert (splits - 1) * _chunk(tokens, splits) < tokens
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, 1024), TOKENS)
+def test_filled_splits_cut_the_same_chunks(splits, tokens):
+    """Dropping the empty splits keeps every chunk as long as it was (the work per CTA does not grow)."""
+    filled = cuda_filled_splits(splits, tokens)
+    assert 1 <= filled <= splits
+    assert _chunk(tokens, filled) == _chunk(tokens, splits) or filled == 1
+    assert (filled - 1) * _chunk(tokens, filled) < tokens
+
+
 @settings(max_examples=500, deadline=None)
 @given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([128, 256]), TOKENS)
 def test_short_splits_use_half_a_wave_at_wide_heads(resident, bkv, d, tokens):
@@ -40,12 +62,12 @@ def test_short_splits_use_half_a_wave_at_wide_heads(resident, bkv, d, tokens):
 @given(RESIDENT, BATCH_KV_HEADS, TOKENS)
 def test_head_dim_64_keeps_the_full_wave(resident, bkv, tokens):
     full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS))
-    assert cuda_num_splits(resident, bkv, 64, tokens) == full
+    assert cuda_num_splits(resident, bkv, 64, tokens) == cuda_filled_splits(full, tokens)
 
 
 def test_split_rule_at_the_measured_shapes():
     # H100: 132 SMs x 4 CTAs (k4v4 at D <= 128), x 2 at D = 256; the sweep winners of BENCHMARKS.md.
-    assert cuda_num_splits(528, 8, 128, 32768) == 33      # B=1, 8 KV heads: half a wave (32 measured best)
+    assert cuda_num_splits(528, 8, 128, 32768) == 32      # B=1, 8 KV heads: half a wave (33) less the empty split
     assert cuda_num_splits(528, 1, 128, 32768) == 64      # B=1, 1 KV head: the cap
     assert cuda_num_splits(528, 16, 128, 16384) == 16     # B=2
     assert cuda_num_splits(528, 64, 128, 32768) == 8      # B=8: long splits keep the full wave
@@ -95,4 +117,4 @@ def test_exact_split_rule_at_the_measured_shapes():
     assert cuda_exact_splits(6, 396, 64, 128, 32768) == 6     # k4v3 B=8 D=128: 152 us against 175 with 5
     assert cuda_exact_splits(4, 264, 64, 256, 8192) == 4      # k5v3 B=8 D=256: 118 against 130 with 3
     assert cuda_exact_splits(16, 396, 24, 64, 16384) == 15    # k4v3 B=8 D=64: 31 against 38 with 16
-    assert cuda_exact_splits(33, 528, 8, 128, 32768) == 32    # k4v4 B=1: 39.7 against 41.8 with 33
+    assert cuda_exact_splits(32, 528, 8, 128, 32768) == 32    # k4v4 B=1: 39.7 against 41.8 with 33

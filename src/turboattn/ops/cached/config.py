@@ -54,6 +54,7 @@ CUDA_MAX_SPLITS = 64
 CUDA_MAX_SPLITS_WIDE = 128   # D = 512 (sliced: 4 warps per split, latency-bound): 128 splits measured faster
 CUDA_SHORT_SPLIT = 1024
 CUDA_EXACT_TAIL_KEYS = 512
+CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 16-key tile)
 # The merge on the kernel's tail: one CTA per (sequence, KV head) reads every part (rows x D floats each).  Past
 # CUDA_ONE_LEVEL_MERGE floats it merges in two levels: the last CTA of each group of parts merges the group, the
 # last group merges the groups.  Arrival counters per (sequence, KV head): the final one and one per group
@@ -77,7 +78,16 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
     splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT, most))
     if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
         splits = max(1, min(splits, resident // 2 // batch_kv_heads))
-    return splits
+    return cuda_filled_splits(splits, max_tokens)
+
+
+def cuda_filled_splits(splits: int, tokens: int) -> int:
+    """The splits that hold keys when the kernel cuts `tokens` into `splits` chunks: it rounds each chunk up to
+    CUDA_CHUNK_ALIGN keys, so the last ones can be empty (one sequence x 8 KV heads at 32K: 33 splits of 1024 keys,
+    the 33rd empty; a CTA and a part to merge for nothing)."""
+    chunk = -(-tokens // splits)
+    chunk = -(-chunk // CUDA_CHUNK_ALIGN) * CUDA_CHUNK_ALIGN
+    return max(1, -(-tokens // chunk))
 
 
 def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:

@@ -22,10 +22,9 @@ from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
-from .config import CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves, cuda_merge_group, plan_decode
+from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves,
+                     cuda_merge_group, plan_decode)
 from .triton import cached_attention_triton, part_buffers, query_scale
-
-CHUNK_ALIGN = 64     # split boundaries, in keys (a multiple of the kernel's 16-key tile)
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -89,7 +88,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     ext.decode(q, k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                layout.key_gain_inv if transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev), o_part,
                lse_part, float(q_scale), float(softcap or 0.0), window or 0, plan.num_splits, num_parts,
-               window is not None, k is not None, CHUNK_ALIGN, counters, out, sinks, k, v, key_shift, *recent,
+               window is not None, k is not None, CUDA_CHUNK_ALIGN, counters, out, sinks, k, v, key_shift, *recent,
                *first, cuda_merge_group(num_parts, rows, d))
     return out
 
