@@ -159,6 +159,31 @@ def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, op
     assert rel_error(portable, ref) < TOL
 
 
+# q, the fresh tokens and the output in each attention dtype, q and the fresh tokens as the strided views a model
+# passes ([B, T, H, D] storage seen as [B, H, T, D]; k and v halves of one projection): the set-up, the fresh
+# tokens' scores and values and the store read and write them in their own dtype through their strides.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("d", [64, 512])
+def test_cuda_decode_query_dtypes_and_views(dtype, d):
+    torch.manual_seed(d)
+    b, hkv, g, tq, length = 2, 2, 2, 2, 700
+    codec = ta.KVCodec(d, 4, 4)
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=length + tq, device="cuda")
+    k = torch.randn(b, hkv, length, d, device="cuda", dtype=dtype)
+    cache.append(k, torch.randn_like(k))
+    q = torch.randn(b, tq, hkv * g, d, device="cuda", dtype=dtype).transpose(1, 2)
+    kv = torch.randn(b, tq, 2 * hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
+    kf, vf = kv[:, :hkv], kv[:, hkv:]
+    sinks = torch.randn(hkv * g, device="cuda")
+    poison_allocator()
+    assert cuda.supports(q, codec, hkv)
+    out = ta.cached_attention(q, cache, kf, vf, sinks=sinks, num_splits=3)
+    assert out.dtype == dtype and not out.isnan().any()
+    ref = cached_attention_naive(q, cache.layout, codec, kf, vf, sinks=sinks, compute_dtype=torch.float64)
+    err = rel_error(out, ref)
+    assert err < TOL, f"relative error {err:.3g}"
+
+
 def test_cuda_decode_is_graph_capturable():
     codec = ta.KVCodec(128, 4, 4)
     cache = ta.QuantizedKVCache(codec, 2, 8, capacity=4096, device="cuda")

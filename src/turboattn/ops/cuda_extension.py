@@ -36,6 +36,17 @@ def extension():
         return None
 
 
+@lru_cache(maxsize=None)
+def stamped_extension():
+    """The same kernels in a profiling build: the decode kernel writes per-CTA phase stamps after its parts
+    (nvcc -DTURBOATTN_STAMPS, csrc/decode.cuh).  For `turboattn bench phases` only; a separate name, so torch keeps
+    both builds."""
+    from torch.utils.cpp_extension import load
+    return load(name="turboattn_cuda_stamps", sources=[str(x) for x in _sources()],
+                extra_cuda_cflags=_nvcc_flags() + ["-DTURBOATTN_STAMPS"],
+                extra_include_paths=[str(x) for x in _INCLUDES], verbose=False)
+
+
 def _nvcc_flags() -> list[str]:
     """Machine code for the sm_80+ GPUs this process sees, and nothing else (each architecture is a full build of
     90 decode kernels); nvcc 12+ also spreads each translation unit's kernels over the cores (-split-compile=0)."""

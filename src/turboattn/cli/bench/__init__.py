@@ -22,6 +22,7 @@ SUITES = {
     "sanitize-cases": ("sanitize", "small decode cases to run under compute-sanitizer"),
     "generate": ("generate", "end-to-end model.generate ms per token, turboattn vs transformers bf16"),
     "host": ("host", "host time of turboattn per layer and decode step, kernels stubbed (runs on a CPU)"),
+    "phases": ("phases", "per-CTA phase times of the CUDA decode kernel (a profiling build with stamps)"),
 }
 # The files each suite writes into --out (checked before the run: no GPU time is spent on results that
 # could not be saved).
@@ -33,6 +34,7 @@ OUTPUTS = {
     "key-transform": ("key_transform.json",),
     "generate": ("generate.json",),
     "host": ("host.json",),
+    "phases": ("phases.json",),
 }
 
 

@@ -39,6 +39,36 @@ constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
 static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query rows");
 
+// Phase stamps of a profiling build (nvcc -DTURBOATTN_STAMPS, never in the shipped build; `turboattn bench
+// phases` builds and reads it): thread 0 of each CTA writes STAMP_SLOTS 64-bit words after every CTA's part
+// in o_part (the probe allocates the room): slots 10 / 11 / 12 the global timer at the start / part written / end,
+// 13 the SM, the others the SM clock at: 1 start, 2 loads issued and centroids staged, 9 tables built, 3 q fragments
+// ready, 4 main loop done (warp 0), 0 every warp done, 5 part written, 8 group merge started, 6 final merge started,
+// 14 merge weights ready, 15 parts summed, 7 end.
+constexpr int STAMP_SLOTS = 16;
+#ifdef TURBOATTN_STAMPS
+template <int D>
+__device__ __forceinline__ void stamp(const DecodeParams& p, int slot) {
+  if (threadIdx.x != 0) return;
+  const size_t parts_floats = (size_t)gridDim.x * p.tq * p.group * D;  // o_part's parts: gridDim.x x rows x D
+  unsigned long long* at = reinterpret_cast<unsigned long long*>(p.o_part + parts_floats) + (size_t)blockIdx.x * STAMP_SLOTS;
+  unsigned long long v;
+  if (slot >= 10 && slot <= 12) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  } else if (slot == 13) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    v = sm;
+  } else {
+    v = clock64();
+  }
+  at[slot] = v;
+}
+#define TURBOATTN_STAMP(slot) stamp<D>(p, slot)
+#else
+#define TURBOATTN_STAMP(slot)
+#endif
+
 __device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 // Bit planes of a BITS-bit code (format/codec.py): the low plane is 2, 4 or 8 bits wide; 3-bit codes add a
@@ -361,6 +391,44 @@ __device__ __forceinline__ float load_q(const DecodeParams& p, long long offset)
   return load_float(p.q, p.q_dtype, offset);
 }
 
+// N consecutive elements of a tensor in q's dtype as floats (no alignment assumed).  One branch on the dtype
+// around N independent loads: the set-up and the merge run once per CTA, from a cold instruction cache, so their
+// code is kept short and straight (a dtype branch per element measured as 10 µs of set-up at D = 512).
+template <int N>
+__device__ __forceinline__ void load_row(const void* base, int dtype, long long offset, float (&x)[N]) {
+  if (dtype == 1) {
+    const unsigned short* src = reinterpret_cast<const unsigned short*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+  } else if (dtype == 0) {
+    const __half* src = reinterpret_cast<const __half*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = __half2float(src[i]);
+  } else {
+    const float* src = reinterpret_cast<const float*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = src[i];
+  }
+}
+
+// N consecutive elements of a tensor in q's dtype, from floats (round to nearest).
+template <int N>
+__device__ __forceinline__ void store_row(void* base, int dtype, size_t offset, const float (&x)[N]) {
+  if (dtype == 1) {
+    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = __float2bfloat16_rn(x[i]);
+  } else if (dtype == 0) {
+    __half* dst = reinterpret_cast<__half*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = __float2half_rn(x[i]);
+  } else {
+    float* dst = reinterpret_cast<float*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = x[i];
+  }
+}
+
 // BYTES consecutive code bytes as 32-bit words w[0 .. max(BYTES / 4, 1)), streamed (read once: evict first).
 template <int BYTES>
 __device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t* w) {
@@ -512,6 +580,43 @@ __device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
   return {p.num_splits, block - split_blocks};
 }
 
+// The fresh tokens' scores for query token t (row q_row of q): lane 0 writes token j's log2-domain score to s[j],
+// j < MAX_ROWS (-inf where token j is not seen: j > t or outside the window; NaN where its k or v is not finite);
+// returns their maximum (NaN passes by).  Scored in the model's domain: q . (k - shift), the rotation being
+// orthogonal.  A lane takes D / 32 consecutive dims; rolled over the tokens (short code: see load_row).
+template <int D>
+__device__ __forceinline__ float fresh_scores(const DecodeParams& p, long long q_row, long long kv0, const float* shift,
+                                           int t, int lane, float* s) {
+  constexpr int N = D / 32;
+  float qv[N];
+  load_row<N>(p.q, p.q_dtype, q_row + lane * N, qv);
+  float mx = -INFINITY;
+#pragma unroll 1
+  for (int j = 0; j < MAX_ROWS; ++j) {
+    float x = -INFINITY;
+    if (j <= t && (p.window <= 0 || t - j < p.window)) {  // the same for the whole warp
+      float k[N], v[N];
+      load_row<N>(p.k_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, k);
+      load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, v);
+      float dot = 0.f;
+      bool finite = true;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        finite = finite && isfinite(k[i]) && isfinite(v[i]);
+        dot += qv[i] * (shift != nullptr ? k[i] - shift[lane * N + i] : k[i]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      x = dot * p.q_scale;
+      if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
+      if (!__all_sync(0xffffffffu, finite)) x = NAN;
+      mx = fmaxf(mx, x);
+    }
+    if (lane == 0) s[j] = x;
+  }
+  return mx;
+}
+
 // num_parts / stride: the parts merged are 0, stride, 2 stride, ... (stride > 1: the groups' results of a two-level
 // merge, merge_group).
 template <int D>
@@ -549,27 +654,11 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
       w_row[q] = x;
       mx = fmaxf(mx, x);
     }
-    // Fresh scores: token j is seen by query t when j <= t and, under a window, t - j < window.
-    float fresh_s[MAX_ROWS];
-#pragma unroll
-    for (int j = 0; j < MAX_ROWS; ++j) {
-      fresh_s[j] = -INFINITY;
-      if (!p.has_fresh || j > t || (p.window > 0 && t - j >= p.window)) continue;
-      float dot = 0.f;
-      bool finite = true;  // a token with a non-finite k or v scores NaN (its value is then never read)
-      for (int d = lane; d < D; d += 32) {
-        float kd = load_float(p.k_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
-        finite = finite && isfinite(kd) && isfinite(load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d));
-        if (p.key_shift) kd -= p.key_shift[(size_t)bh * D + d];
-        dot += load_q(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t + d) * kd;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      float x = dot * p.q_scale;
-      if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
-      if (!__all_sync(0xffffffffu, finite)) x = NAN;
-      fresh_s[j] = x;
-      mx = fmaxf(mx, x);
+    // The fresh tokens' scores (raw, staged in this row's fresh_p by lane 0), behind one branch.
+    if (p.has_fresh) {
+      mx = fmaxf(mx, fresh_scores<D>(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t, kv0,
+                                     p.key_shift ? p.key_shift + (size_t)bh * D : nullptr, t, lane,
+                                     fresh_p + r * MAX_ROWS));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -580,18 +669,20 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
       w_row[q] = w;
       sum += w;
     }
+    // Fresh token j's weight: lane j turns its score into the weight (NaN for a non-finite token).
+    float fresh_w = 0.f;
+    if (p.has_fresh) {
+      __syncwarp();
+      fresh_w = lane < MAX_ROWS ? exp2f(fresh_p[r * MAX_ROWS + lane] - m_use) : 0.f;
+      if (lane < MAX_ROWS) fresh_p[r * MAX_ROWS + lane] = fresh_w;
+    }
+    sum += fresh_w;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    float fresh_sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < MAX_ROWS; ++j) {
-      const float w = exp2f(fresh_s[j] - m_use);
-      fresh_sum += w;
-      if (lane == j) fresh_p[r * MAX_ROWS + j] = w;
-    }
-    if (lane == 0) denominator[r] = sum + fresh_sum + exp2f(sink - m_use);
+    if (lane == 0) denominator[r] = sum + exp2f(sink - m_use);
   }
   __syncthreads();
+  TURBOATTN_STAMP(14);
   float4* y4 = reinterpret_cast<float4*>(y);
   for (int i = tid; i < outputs * groups; i += THREADS) {
     const int o4 = i % outputs, r = o4 / D4;
@@ -622,6 +713,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     if (tid < outputs) y4[tid] = sum;
   }
   __syncthreads();
+  TURBOATTN_STAMP(15);
   // Rotation back, one row per warp, and the store.
   constexpr int N = D / 32;
   const float norm = rsqrtf((float)D);
@@ -634,22 +726,22 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     hadamard_warp<D>(v, lane);
     const float denom = denominator[r];
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const int d = lane * N + i;
-      float out = v[i] * signs[d] * norm;
-      if (p.has_fresh && denom != 0.f) {
-        float fresh = 0.f;
-        for (int j = 0; j <= t; ++j) {
-          const float w = fresh_p[r * MAX_ROWS + j];
-          if (!isnan(w)) fresh += w * load_float(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d);
-        }
-        out += fresh / denom;
+    for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
+    if (p.has_fresh && denom != 0.f) {  // the fresh tokens' weighted values, in the model's domain
+      float fresh[N] = {};
+#pragma unroll 1
+      for (int j = 0; j <= t; ++j) {
+        const float w = fresh_p[r * MAX_ROWS + j];
+        if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
+        float x[N];
+        load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, x);
+#pragma unroll
+        for (int i = 0; i < N; ++i) fresh[i] += w * x[i];
       }
-      const size_t at = (((size_t)b * hq + head) * p.tq + t) * D + d;
-      if (p.q_dtype == 0) reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(out);
-      else if (p.q_dtype == 1) reinterpret_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(out);
-      else reinterpret_cast<float*>(p.out)[at] = out;
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
     }
+    store_row<N>(p.out, p.q_dtype, (((size_t)b * hq + head) * p.tq + t) * D + lane * N, v);
   }
 }
 
@@ -682,66 +774,66 @@ extern __shared__ __align__(16) uint32_t code_tables[];
 
 // One level of the merge of a two-level plan (p.merge_group < p.num_parts): the last CTA of a group of
 // merge_group consecutive parts merges them into the group's first part (its output and log2-sum-exp), so that
-// the final merge reads one part per group.  A part's rows are read by the thread that then writes them.
-// lse_s: shared scratch of MAX_ROWS x count floats.
+// the final merge reads one part per group.  Each part's weight is computed once per row (a thread per row) and
+// staged; then every thread keeps all of an output's parts in flight (BATCH at a time).  A part's rows are read
+// by the thread that then writes them.  lse_s: shared scratch of 2 x MAX_ROWS x count floats.
 template <int D>
 __device__ __forceinline__ void merge_group(const DecodeParams& p, int first_part, int count, float* lse_s) {
   const int tid = threadIdx.x, bh = cta_index(p).bh, rows = p.tq * p.group;
   constexpr int D4 = D / 4, THREADS = WARPS * 32, BATCH = 8;
   const size_t base = ((size_t)bh * p.num_parts + first_part) * rows;  // row r of part first_part + q: base + q rows + r
+  float* weight = lse_s + rows * count;  // [r][q]: the part's share of the group's row r
   for (int i = tid; i < rows * count; i += THREADS)
     lse_s[i] = __ldcg(p.lse_part + base + (size_t)(i % count) * rows + i / count);  // [r][q]
   __syncthreads();
-  for (int i = tid; i < rows * D4; i += THREADS) {
-    const int r = i / D4;
-    const float* lse = lse_s + r * count;
-    float mx = -INFINITY;
+  if (tid < rows) {
+    const float* lse = lse_s + tid * count;
+    float mx = -INFINITY, sum = 0.f;
     for (int q = 0; q < count; ++q) mx = fmaxf(mx, lse[q]);  // NaN passes by (its weight is NaN below)
     const float m_use = mx == -INFINITY ? 0.f : mx;
+    for (int q = 0; q < count; ++q) sum += exp2f(lse[q] - m_use);
+    const float inv = sum != 0.f ? 1.f / sum : 0.f;  // nothing seen: weights 0, output 0; NaN stays NaN
+    for (int q = 0; q < count; ++q) weight[tid * count + q] = exp2f(lse[q] - m_use) * inv;
+    p.lse_part[base + tid] = sum != 0.f ? m_use + log2f(sum) : -INFINITY;  // read into lse_s above
+  }
+  __syncthreads();
+  const size_t step = (size_t)rows * D4;
+  for (int i = tid; i < rows * D4; i += THREADS) {
+    const int r = i / D4;
+    const float* w = weight + r * count;
     const float4* o = reinterpret_cast<const float4*>(p.o_part + (base + r) * D) + i % D4;
-    const size_t step = (size_t)rows * D4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float sum = 0.f;
     for (int q0 = 0; q0 < count; q0 += BATCH) {
       float4 x[BATCH];
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) x[j] = q0 + j < count ? __ldcg(o + (q0 + j) * step) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
-        if (q0 + j >= count) break;
-        const float w = exp2f(lse[q0 + j] - m_use);
-        sum += w;
-        acc.x += w * x[j].x, acc.y += w * x[j].y, acc.z += w * x[j].z, acc.w += w * x[j].w;
+        const float wj = q0 + j < count ? w[q0 + j] : 0.f;
+        acc.x += wj * x[j].x, acc.y += wj * x[j].y, acc.z += wj * x[j].z, acc.w += wj * x[j].w;
       }
     }
-    const float inv = sum != 0.f ? 1.f / sum : 0.f;  // nothing seen: 0; NaN stays NaN
-    reinterpret_cast<float4*>(p.o_part + (base + r) * D)[i % D4] =
-        sum != 0.f ? make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  __syncthreads();  // every thread has read the parts' log2-sum-exps
-  if (tid < rows) {
-    const float* lse = lse_s + tid * count;
-    float mx = -INFINITY, sum = 0.f;
-    for (int q = 0; q < count; ++q) mx = fmaxf(mx, lse[q]);
-    const float m_use = mx == -INFINITY ? 0.f : mx;
-    for (int q = 0; q < count; ++q) sum += exp2f(lse[q] - m_use);
-    p.lse_part[base + tid] = sum != 0.f ? m_use + log2f(sum) : -INFINITY;
+    reinterpret_cast<float4*>(p.o_part + (base + r) * D)[i % D4] = acc;
   }
 }
 
 // Arrive on `counter` (after making this CTA's writes visible): whether this CTA is the last of `expected`; the last
 // one resets the counter for the next call (and the next replay of a captured graph).  is_last: a shared flag.
+// One thread fences, after the barrier that orders the CTA's writes before it (the fence is cumulative; the
+// pattern of cooperative groups' grid sync): a fence in every thread measured as the largest stall of the
+// epilogue (ncu, B=1 D=128).
 __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_last) {
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     is_last = atomicAdd(counter, 1) == expected - 1;
-    if (is_last) *counter = 0;
+    if (is_last) {
+      *counter = 0;
+      __threadfence();  // the other CTAs' parts are read after this (and after the barrier)
+    }
   }
   __syncthreads();
-  if (!is_last) return false;
-  __threadfence();
-  return true;
+  return is_last;
 }
 
 // Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part (p.num_parts of
@@ -758,10 +850,12 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_r
   if (groups > 1) {
     const int group = cta.part / gs, first = group * gs, count = min(gs, p.num_parts - first);
     if (!arrive_last(counters + 1 + group, count, is_last)) return;
+    TURBOATTN_STAMP(8);
     merge_group<D>(p, first, count, scratch);
     parts = groups, stride = gs;
   }
   if (!arrive_last(counters, parts, is_last)) return;
+  TURBOATTN_STAMP(6);
   merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, parts, stride);
 }
 
@@ -1011,6 +1105,9 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   const int split = cta.part, bh = cta.bh;
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
   const int rows = p.tq * p.group;
+  TURBOATTN_STAMP(10);
+  TURBOATTN_STAMP(1);
+  TURBOATTN_STAMP(13);
 
   // One more CTA attends the exact rows (part num_splits), then joins the merge.
   if constexpr (EXACT) {
@@ -1086,9 +1183,12 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
     const int r = warp + k * WARPS, t = r / p.group, h = kvh * p.group + r % p.group;
+    if (r < rows) {
+      load_row<N>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N, qx[k]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      qx[k][i] = r < rows ? load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N + i) : 0.f;
+      for (int i = 0; i < N; ++i) qx[k][i] = 0.f;
+    }
   }
   TileData<S> next;
   // Each warp walks its own tiles, or (sliced) every warp walks every tile.
@@ -1103,8 +1203,10 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
   __syncthreads();  // the centroids are staged
+  TURBOATTN_STAMP(2);
   CodeTable<KB>::build(k_table, centroids[0]);
   if constexpr (!S::SHARED_TABLE) CodeTable<VB>::build(v_table, centroids[1]);
+  TURBOATTN_STAMP(9);
   // q / gain, signs, then H.
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
@@ -1257,11 +1359,13 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   // Each warp keeps its next tile's loads in flight while it computes the current one.  (Unrolling by two into
   // alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
   constexpr int STRIDE = S::SLICED ? TILE_KEYS : WARPS * TILE_KEYS;
+  TURBOATTN_STAMP(3);
   for (int tile = first_tile; tile < hi; tile += STRIDE) {
     const TileData<S> cur = next;
     if (tile + STRIDE < hi) load(tile + STRIDE, next);
     process(cur, tile);
   }
+  TURBOATTN_STAMP(4);
 
   // Combine the warps: row sums over the 8 lanes of a row (same c), then max / rescale across warps.
 #pragma unroll
@@ -1273,6 +1377,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   if constexpr (S::SLICED) {
     // Every warp holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
     __syncthreads();  // the code tables are no longer read (the merge reuses their space)
+    TURBOATTN_STAMP(0);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 2 * c + e;
@@ -1288,10 +1393,15 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
       }
       if (warp == 0 && g == 0) p.lse_part[part] = l[e] != 0.f ? m[e] + log2f(l[e]) : -INFINITY;
     }
+    TURBOATTN_STAMP(5);
+    TURBOATTN_STAMP(11);
     if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+    TURBOATTN_STAMP(7);
+    TURBOATTN_STAMP(12);
     return;
   }
   __syncthreads();  // the code tables are no longer read: their space takes the warps' outputs
+  TURBOATTN_STAMP(0);
   float* o_warp = reinterpret_cast<float*>(code_tables);  // [WARPS][MAX_ROWS][D]
   if (g == 0) {
 #pragma unroll
@@ -1329,7 +1439,11 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     p.o_part[part * D + d] = lsum != 0.f ? o / lsum : 0.f;
     if (d == 0) p.lse_part[part] = lsum != 0.f ? m_use + log2f(lsum) : -INFINITY;
   }
+  TURBOATTN_STAMP(5);
+  TURBOATTN_STAMP(11);
   if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+  TURBOATTN_STAMP(7);
+  TURBOATTN_STAMP(12);
 }
 
 // Launches decode<D, KB, VB, EXACT>.  Past 48 KB of shared memory, static and dynamic together, a kernel needs an
