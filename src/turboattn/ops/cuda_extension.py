@@ -26,10 +26,8 @@ def _sources() -> list[Path]:
 @lru_cache(maxsize=None)
 def extension():
     """The compiled module, or None (with a one-time warning) when it cannot be built here."""
-    from torch.utils.cpp_extension import load
     try:
-        return load(name="turboattn_cuda", sources=[str(x) for x in _sources()], extra_cuda_cflags=_nvcc_flags(),
-                    extra_include_paths=[str(x) for x in _INCLUDES], verbose=False)
+        return _build("turboattn_cuda")
     except Exception as e:  # no nvcc, no compiler, unsupported toolkit: the Triton kernels still serve
         warnings.warn(f"turboattn: the CUDA kernels could not be built ({e}); using the Triton path",
                       RuntimeWarning, stacklevel=3)
@@ -41,9 +39,13 @@ def stamped_extension():
     """The same kernels in a profiling build: the decode kernel writes per-CTA phase stamps after its parts
     (nvcc -DTURBOATTN_STAMPS, csrc/decode.cuh).  For `turboattn bench phases` only; a separate name, so torch keeps
     both builds."""
+    return _build("turboattn_cuda_stamps", "-DTURBOATTN_STAMPS")
+
+
+def _build(name: str, *flags: str):
+    """The extension `name` built (or loaded from torch's cache) from every source, with extra nvcc flags."""
     from torch.utils.cpp_extension import load
-    return load(name="turboattn_cuda_stamps", sources=[str(x) for x in _sources()],
-                extra_cuda_cflags=_nvcc_flags() + ["-DTURBOATTN_STAMPS"],
+    return load(name=name, sources=[str(x) for x in _sources()], extra_cuda_cflags=_nvcc_flags() + list(flags),
                 extra_include_paths=[str(x) for x in _INCLUDES], verbose=False)
 
 

@@ -45,11 +45,9 @@ def stamped_call(q: torch.Tensor, cache) -> torch.Tensor:
 
     def buffers(q_, hkv, parts):
         o_part, lse_part = part_buffers(q_, hkv, parts)
-        rows = q_.shape[2] * (q_.shape[1] // hkv)
         ctas = q_.shape[0] * hkv * parts
         room = torch.zeros(o_part.numel() + 2 * SLOTS * ctas, dtype=torch.float32, device=q_.device)
         held["stamps"] = room[o_part.numel():].view(torch.int64).view(ctas, SLOTS)
-        held["rows"] = rows
         return room, lse_part
 
     part_buffers = cuda_path.part_buffers
