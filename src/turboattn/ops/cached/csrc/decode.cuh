@@ -556,18 +556,6 @@ __device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
   }
 }
 
-// The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
-// log2-sum-exp (plus the sink logit in the denominator), then the rotation back x = signs * H y / sqrt(D), cast to
-// q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
-// domain (rotation is orthogonal, so q . (k - shift) is the score the rotated, transformed pair would give) and
-// their weighted values join after the rotation back (it is linear).  weight: shared scratch of MAX_ROWS x
-// num_parts floats; y: shared [MAX_ROWS][D]; fresh_p: shared [MAX_ROWS][MAX_ROWS]; signs: shared [D].  Parts were
-// written by other CTAs: read through L2.
-//
-// The merge sits on the kernel's tail, so it is written for latency: each thread owns float4s of the output and
-// keeps BATCH parts' loads in flight, the first batch issued before the weights are computed (the loads do not
-// depend on them).  With fewer outputs than threads, `groups` threads share an output's parts (group k takes
-// parts k, k + groups, ...) and their partial sums are added in a fixed order.
 // This CTA's part and (sequence x KV head) in the one-dimensional grid: the splits' CTAs first (split fastest), then
 // one exact part per (sequence, KV head) in the kernels built for exact rows.  Launched last, the short exact CTAs
 // take what the splits' wave leaves free, or run as a short tail, instead of taking slots from the splits.
@@ -617,11 +605,28 @@ __device__ __forceinline__ float fresh_scores(const DecodeParams& p, long long q
   return mx;
 }
 
+// The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
+// log2-sum-exp (plus the sink logit in the denominator), then the rotation back x = signs * H y / sqrt(D), cast to
+// q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
+// domain (rotation is orthogonal, so q . (k - shift) is the score the rotated, transformed pair would give) and
+// their weighted values join after the rotation back (it is linear).  scratch: shared, scratch_words floats (the
+// code tables' space); small: shared, SMALL_WORDS floats (the centroids' space); y: shared [MAX_ROWS][D];
+// fresh_p: shared [MAX_ROWS][MAX_ROWS]; signs: shared [D].  Parts were written by other CTAs: read through L2.
+//
+// The merge sits on the kernel's tail, so it is written for latency, as one L2 round trip where it fits: each
+// thread owns float4s of the output; the log2-sum-exps go out first (the weights wait on them), then a first batch
+// of BATCH parts into registers and the next parts into the scratch with cp.async (as many as the scratch holds
+// beside the weights: 16 more per thread at D = 128 with 32 KB tables, so B=1's 32 parts take one round trip
+// instead of two).  With fewer outputs than threads, `groups` threads share an output's parts (group k takes
+// parts k, k + groups, ...) and their partial sums are added in a fixed order.  The weights ([rows][num_parts])
+// live in `small` when they fit, else at the end of the scratch.
 // num_parts / stride: the parts merged are 0, stride, 2 stride, ... (stride > 1: the groups' results of a two-level
 // merge, merge_group).
+constexpr int SMALL_WORDS = 256;
 template <int D>
-__device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight, float* y, float* denominator,
-                                            float* fresh_p, const float* signs, int num_parts, int stride) {
+__device__ __forceinline__ void merge_parts(const DecodeParams& p, float* scratch, int scratch_words, float* small,
+                                            float* y, float* denominator, float* fresh_p, const float* signs,
+                                            int num_parts, int stride) {
   // Indices are recomputed here, so that the main loop need not keep them alive.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bh = cta_index(p).bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
@@ -632,6 +637,11 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
   const int groups = outputs < THREADS ? THREADS / outputs : 1;
   const size_t step = (size_t)stride * rows * D4;  // float4s between consecutive merged parts of a row
   float4 part[BATCH];
+  const bool small_weights = rows * num_parts <= SMALL_WORDS;
+  float* weight = small_weights ? small : scratch + ((scratch_words - rows * num_parts) & ~3);
+  const int stage_slots = (small_weights ? scratch_words : (scratch_words - rows * num_parts) & ~3) / 4 / THREADS;
+  float4* stage = reinterpret_cast<float4*>(scratch);
+  int staged = 0;
   // Work item i: output float4 i % outputs, parts i / outputs + k groups.
   auto load_batch = [&](int i, int q0) {
     const int o4 = i % outputs;
@@ -642,15 +652,38 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
       part[j] = q < num_parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
-  if (tid < outputs * groups) load_batch(tid, tid / outputs);
-  for (int r = warp; r < rows; r += WARPS) {
+  // The first 32 parts' log2-sum-exps of this warp's rows go out before the parts: the weights wait on them.
+  constexpr int RPW = MAX_ROWS / WARPS;
+  float lse_first[RPW];
+#pragma unroll
+  for (int k = 0; k < RPW; ++k) {
+    const int r = warp + k * WARPS;
+    lse_first[k] = r < rows && lane < num_parts ? __ldcg(p.lse_part + first + (size_t)lane * stride * rows + r) : 0.f;
+  }
+  if (tid < outputs * groups) {
+    load_batch(tid, tid / outputs);
+    const int o4 = tid % outputs;
+    const float4* o = reinterpret_cast<const float4*>(p.o_part + (first + o4 / D4) * D) + o4 % D4;
+    for (int j = 0; j < stage_slots; ++j) {
+      const int q = tid / outputs + (BATCH + j) * groups;
+      if (q >= num_parts) break;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + j * THREADS + tid));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(o + q * step));
+      staged = j + 1;
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+#pragma unroll
+  for (int k = 0; k < RPW; ++k) {
+    const int r = warp + k * WARPS;
+    if (r >= rows) break;
     const int t = r / p.group, head = kvh * p.group + r % p.group;
     const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
     float* w_row = weight + r * num_parts;
     // The parts' log2-sum-exps, staged in w_row (one L2 round trip, issued before the fresh tokens' loads).
     float mx = sink;
     for (int q = lane; q < num_parts; q += 32) {
-      const float x = __ldcg(p.lse_part + first + (size_t)q * stride * rows + r);
+      const float x = q == lane ? lse_first[k] : __ldcg(p.lse_part + first + (size_t)q * stride * rows + r);
       w_row[q] = x;
       mx = fmaxf(mx, x);
     }
@@ -688,8 +721,25 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* weight
     const int o4 = i % outputs, r = o4 / D4;
     const float* w = weight + r * num_parts;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q0 = i / outputs; q0 < num_parts; q0 += BATCH * groups) {
-      if (i != tid || q0 != i / outputs) load_batch(i, q0);  // the first batch is already in `part`
+    int q_next = i / outputs;
+    if (i == tid) {  // the thread's first item: a batch in `part`, the next `staged` parts in shared memory
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int q = q_next + j * groups;
+        const float wj = q < num_parts ? w[q] : 0.f;
+        acc.x += wj * part[j].x, acc.y += wj * part[j].y, acc.z += wj * part[j].z, acc.w += wj * part[j].w;
+      }
+      q_next += BATCH * groups;
+      asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's own copies: no barrier needed
+      for (int j = 0; j < staged; ++j) {
+        const float wj = w[q_next + j * groups];
+        const float4 x = stage[j * THREADS + tid];
+        acc.x += wj * x.x, acc.y += wj * x.y, acc.z += wj * x.z, acc.w += wj * x.w;
+      }
+      q_next += staged * groups;
+    }
+    for (int q0 = q_next; q0 < num_parts; q0 += BATCH * groups) {
+      load_batch(i, q0);
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
         const int q = q0 + j * groups;
@@ -819,18 +869,17 @@ __device__ __forceinline__ void merge_group(const DecodeParams& p, int first_par
 
 // Arrive on `counter` (after making this CTA's writes visible): whether this CTA is the last of `expected`; the last
 // one resets the counter for the next call (and the next replay of a captured graph).  is_last: a shared flag.
-// One thread fences, after the barrier that orders the CTA's writes before it (the fence is cumulative; the
-// pattern of cooperative groups' grid sync): a fence in every thread measured as the largest stall of the
-// epilogue (ncu, B=1 D=128).
+// One thread arrives, after the barrier that orders the CTA's writes before it, with one acquire-release atomic
+// (release is cumulative: it publishes what the barrier ordered; acquire makes the other CTAs' parts visible to the
+// last one, whose barrier then passes them on): a fence in every thread measured as the largest stall of the
+// epilogue (ncu, B=1 D=128), and fence + atomic + fence in one thread 0.3-0.6 µs more than this (H100).
 __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_last) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(counter, 1) == expected - 1;
-    if (is_last) {
-      *counter = 0;
-      __threadfence();  // the other CTAs' parts are read after this (and after the barrier)
-    }
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    is_last = old == expected - 1;
+    if (is_last) *counter = 0;
   }
   __syncthreads();
   return is_last;
@@ -840,8 +889,8 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_
 // them), or with a two-level plan the last CTA of each group merges the group and the last group merges the groups.
 // Counters of a (sequence, KV head): COUNTERS_PER_HEAD from bh COUNTERS_PER_HEAD, the final one first.
 template <int D>
-__device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_rot, float* warp_ml, float* fresh_p,
-                                               const float* signs, int& is_last) {
+__device__ __forceinline__ void join_and_merge(const DecodeParams& p, int scratch_words, float* small, float* q_rot,
+                                               float* warp_ml, float* fresh_p, const float* signs, int& is_last) {
   const CtaIndex cta = cta_index(p);
   int* counters = p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD;
   float* scratch = reinterpret_cast<float*>(code_tables);
@@ -856,7 +905,7 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, float* q_r
   }
   if (!arrive_last(counters, parts, is_last)) return;
   TURBOATTN_STAMP(6);
-  merge_parts<D>(p, scratch, q_rot, warp_ml, fresh_p, signs, parts, stride);
+  merge_parts<D>(p, scratch, scratch_words, small, q_rot, warp_ml, fresh_p, signs, parts, stride);
 }
 
 // The exact part (the CTA of part num_splits, in the kernels built for caches with exact rows): the
@@ -1089,7 +1138,9 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   // warps' row statistics.
   uint32_t* const k_table = code_tables;
   uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : CodeTable<KB>::WORDS);
-  __shared__ __half centroids[2][256];
+  __shared__ __align__(16) __half centroids[2][256];
+  static_assert(sizeof(centroids) >= SMALL_WORDS * 4, "after the table build the centroids' space holds the merge's weights");
+  float* const merge_small = reinterpret_cast<float*>(centroids);
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
@@ -1097,6 +1148,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   __shared__ float4 partial_scores[S::SLICED ? 2 * WARPS * 32 : 1];
   __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
   __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
+  __shared__ float row_inv[MAX_ROWS];
   __shared__ int is_last;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1113,7 +1165,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   if constexpr (EXACT) {
     if (split == p.num_splits) {
       exact_part<D>(p, code_tables, q_rot, signs);
-      if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+      if (p.counters != nullptr) join_and_merge<D>(p, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
       return;
     }
   }
@@ -1395,14 +1447,13 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     }
     TURBOATTN_STAMP(5);
     TURBOATTN_STAMP(11);
-    if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+    if (p.counters != nullptr) join_and_merge<D>(p, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
     TURBOATTN_STAMP(7);
     TURBOATTN_STAMP(12);
     return;
   }
   __syncthreads();  // the code tables are no longer read: their space takes the warps' outputs
   TURBOATTN_STAMP(0);
-  float* o_warp = reinterpret_cast<float*>(code_tables);  // [WARPS][MAX_ROWS][D]
   if (g == 0) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -1411,37 +1462,69 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     }
   }
   __syncthreads();
+  {
+    // o_warp[warp][slot(d)][row]: a lane's two rows (2c, 2c + 1) of one dim are one 8-byte store, and slot(d) moves
+    // the dims of lanes g and g' (g != g' mod 4) to different 32-byte bank groups, so a half-warp's 16 stores hit 16
+    // distinct bank pairs (the plain [row][d] layout put 8 lanes on one bank).  The row sums and the LSEs are
+    // computed once per row (warp 0's lanes with g = 0).
+    float* o_warp = reinterpret_cast<float*>(code_tables);
+    auto slot = [](int d) { return d ^ ((d / S::V::LANE_BYTES) & 3); };
+    float f[2];
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int r = 2 * c + e;
-    float mall = -INFINITY;
-    for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, warp_ml[(w * MAX_ROWS + r) * 2]);
-    const float f = exp2f(m[e] - (mall == -INFINITY ? 0.f : mall));
+    for (int e = 0; e < 2; ++e) {
+      const int r = 2 * c + e;
+      float mall = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, warp_ml[(w * MAX_ROWS + r) * 2]);
+      const float m_use = mall == -INFINITY ? 0.f : mall;
+      f[e] = exp2f(m[e] - m_use);
+      if (warp == 0 && g == 0) {
+        float lsum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+          lsum += warp_ml[(w * MAX_ROWS + r) * 2 + 1] * exp2f(warp_ml[(w * MAX_ROWS + r) * 2] - m_use);
+        // lsum is 0 when no key was visible (the outputs are then 0); a NaN (a non-finite key that was seen)
+        // stays NaN.
+        row_inv[r] = lsum != 0.f ? 1.f / lsum : 0.f;
+        if (r < rows)
+          p.lse_part[((size_t)bh * p.num_parts + split) * rows + r] = lsum != 0.f ? m_use + log2f(lsum) : -INFINITY;
+      }
+    }
 #pragma unroll
     for (int t = 0; t < S::DIM_TILES; ++t) {
-      o_warp[(warp * MAX_ROWS + r) * D + S::V::dim(g, t, 0)] = acc[t][e] * f;
-      o_warp[(warp * MAX_ROWS + r) * D + S::V::dim(g, t, 1)] = acc[t][2 + e] * f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float2* at = reinterpret_cast<float2*>(o_warp + (warp * D + slot(S::V::dim(g, t, h))) * MAX_ROWS + 2 * c);
+        *at = make_float2(acc[t][2 * h] * f[0], acc[t][2 * h + 1] * f[1]);
+      }
     }
-  }
-  __syncthreads();
-  for (int i = tid; i < rows * D; i += WARPS * 32) {
-    const int r = i / D, d = i % D;
-    float mall = -INFINITY;
-    for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, warp_ml[(w * MAX_ROWS + r) * 2]);
-    const float m_use = mall == -INFINITY ? 0.f : mall;
-    float lsum = 0.f, o = 0.f;
-    for (int w = 0; w < WARPS; ++w) {
-      lsum += warp_ml[(w * MAX_ROWS + r) * 2 + 1] * exp2f(warp_ml[(w * MAX_ROWS + r) * 2] - m_use);
-      o += o_warp[(w * MAX_ROWS + r) * D + d];
+    __syncthreads();
+    // Sum the warps: a thread per dim and set of rows (consecutive threads write consecutive dims of a row).
+    constexpr int THREADS = WARPS * 32, ROW_SETS = THREADS / D > 1 ? THREADS / D : 1, RPT = MAX_ROWS / ROW_SETS;
+    const size_t part0 = ((size_t)bh * p.num_parts + split) * rows;
+    for (int i = tid; i < D * ROW_SETS; i += THREADS) {
+      const int d = i % D, r0 = (i / D) * RPT;
+      float o[RPT] = {};
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float4* src = reinterpret_cast<const float4*>(o_warp + (w * D + slot(d)) * MAX_ROWS + r0);
+#pragma unroll
+        for (int k = 0; k < RPT / 4; ++k) {
+          const float4 x = src[k];
+          o[4 * k] += x.x, o[4 * k + 1] += x.y, o[4 * k + 2] += x.z, o[4 * k + 3] += x.w;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < RPT; ++k)
+        if (r0 + k < rows) {
+          const float inv = row_inv[r0 + k];
+          p.o_part[(part0 + r0 + k) * D + d] = inv != 0.f ? o[k] * inv : 0.f;
+        }
     }
-    const size_t part = ((size_t)bh * p.num_parts + split) * rows + r;
-    // lsum is 0 when no key was visible; a NaN (a non-finite key that was seen) stays NaN.
-    p.o_part[part * D + d] = lsum != 0.f ? o / lsum : 0.f;
-    if (d == 0) p.lse_part[part] = lsum != 0.f ? m_use + log2f(lsum) : -INFINITY;
   }
   TURBOATTN_STAMP(5);
   TURBOATTN_STAMP(11);
-  if (p.counters != nullptr) join_and_merge<D>(p, q_rot, warp_ml, fresh_p, signs, is_last);
+  if (p.counters != nullptr) join_and_merge<D>(p, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
   TURBOATTN_STAMP(7);
   TURBOATTN_STAMP(12);
 }
