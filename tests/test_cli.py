@@ -90,7 +90,7 @@ def test_info_prints_plain_text_without_rich(monkeypatch, capsys):
 
 
 BENCH_SUITES = ("decode", "quantize", "prefill", "decode-sweep", "key-transform", "sanitize-cases", "generate",
-                "host", "phases")
+                "host", "phases", "ab")
 
 
 def test_bench_lists_its_suites(capsys):

@@ -23,6 +23,7 @@ SUITES = {
     "generate": ("generate", "end-to-end model.generate ms per token, turboattn vs transformers bf16"),
     "host": ("host", "host time of turboattn per layer and decode step, kernels stubbed (runs on a CPU)"),
     "phases": ("phases", "per-CTA phase times of the CUDA decode kernel (a profiling build with stamps)"),
+    "ab": ("ab", "the decode step of this tree against another git revision, timed alternately in one run"),
 }
 # The files each suite writes into --out (checked before the run: no GPU time is spent on results that
 # could not be saved).
@@ -35,6 +36,7 @@ OUTPUTS = {
     "generate": ("generate.json",),
     "host": ("host.json",),
     "phases": ("phases.json",),
+    "ab": ("ab.json",),
 }
 
 
