@@ -113,6 +113,25 @@ def test_cuda_two_level_merge(d, options, i, group, monkeypatch):
     _check_against_reference(CASES[i], d, (4, 4), torch.bfloat16 if options else torch.float32, options)
 
 
+# Merges of more parts than a thread's register batch (16): the parts past it are staged in the dead table space
+# with cp.async, and those past the staging slots go through the batch loop; the weights sit in the centroids'
+# space (rows x parts <= 256 floats) or at the end of the table space (fewer staging slots); with fewer outputs than
+# threads (D = 64, 4 rows) two threads share each output's parts.  Splits of 256 keys each (none empty).
+# (d, case, options)
+MANY_PARTS_CASES = [
+    (128, (1, 2, 4, 40 * 256, None, 1, True, None, True, False, 40), {}),                 # 16 + 16 staged + 8
+    (128, (1, 2, 8, 48 * 256, None, 1, False, None, False, True, 48), {}),               # weights in the table space
+    (64, (2, 1, 4, 33 * 256, None, 1, True, 30.0, False, False, 33), {}),                # two threads per output
+    (128, (1, 2, 4, 40 * 256, None, 1, True, None, False, False, 40), dict(exact_recent=64, exact_first=4)),
+]
+
+
+@pytest.mark.parametrize("d,case,options", MANY_PARTS_CASES,
+                         ids=[f"D{c[0]}-{c[1]}-{c[2]}" for c in MANY_PARTS_CASES])
+def test_cuda_merge_of_many_parts(d, case, options):
+    _check_against_reference(case, d, (4, 4), torch.bfloat16 if options else torch.float32, options)
+
+
 def test_planned_residency_matches_the_launch_bound():
     """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound),
     and config.CUDA_BIT_PAIRS the pairs csrc/decode.h builds (ctas_per_sm is -1 for the others)."""
