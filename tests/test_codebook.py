@@ -156,3 +156,16 @@ def test_no_table_is_computed_at_import():
 def test_bad_bits_raise(bits):
     with pytest.raises(ValueError, match="bits"):
         codebook.centroids(bits)
+
+
+def test_the_cuda_kernels_codebooks_match():
+    """ops/cached/csrc/codebooks.h (the decode kernel's table build reads its constants) is cuda_header()'s text:
+    the codebooks as float16, rounded from float32 as the kernel rounded the device tables."""
+    from pathlib import Path
+
+    import turboattn.ops.cached as cached
+    header = Path(cached.__file__).parent / "csrc" / "codebooks.h"
+    assert header.read_text() == codebook.cuda_header()
+    for bits in (2, 4, 8):
+        halves = codebook.centroids(bits, torch.float32).to(torch.float16).view(torch.int16).tolist()
+        assert f"0x{halves[0] & 0xFFFF:04x}" in header.read_text()

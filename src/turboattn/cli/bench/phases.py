@@ -2,7 +2,7 @@
 
 Runs a profiling build of the CUDA decode kernel (ops/cuda_extension.stamped_extension: nvcc -DTURBOATTN_STAMPS;
 built on first use, about a minute) in which thread 0 of every CTA records the SM clock at each phase of
-csrc/decode.cuh (start, loads issued and centroids staged, tables built, q fragments ready, main loop done, every
+csrc/decode.cuh (start, loads issued, tables built, q fragments ready, main loop done, every
 warp done, part written; in the merging CTA: merge started, weights ready, parts summed, end) and the global timer
 at the start, when its part is written and at the end.  One eager
 call per shape after warm-up; the table gives medians over CTAs of each phase (µs), the last CTA's part and the

@@ -30,6 +30,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <utility>
+
+#include "codebooks.h"
 #include "decode.h"
 
 namespace turboattn {
@@ -42,7 +45,7 @@ static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query r
 // Phase stamps of a profiling build (nvcc -DTURBOATTN_STAMPS, never in the shipped build; `turboattn bench
 // phases` builds and reads it): thread 0 of each CTA writes STAMP_SLOTS 64-bit words after every CTA's part
 // in o_part (the probe allocates the room): slots 10 / 11 / 12 the global timer at the start / part written / end,
-// 13 the SM, the others the SM clock at: 1 start, 2 loads issued and centroids staged, 9 tables built, 3 q fragments
+// 13 the SM, the others the SM clock at: 1 start, 2 loads issued, 9 tables built, 3 q fragments
 // ready, 4 main loop done (warp 0), 0 every warp done, 5 part written, 8 group merge started, 6 final merge started,
 // 14 merge weights ready, 15 parts summed, 7 end.
 constexpr int STAMP_SLOTS = 16;
@@ -96,30 +99,51 @@ struct CodeTable {
   static constexpr int WORDS = ROWS * 32 * ENTRY_WORDS;
   static constexpr int SHIFT = BITS == 2 ? 8 : 7;  // log2 of an entry row's bytes (32 lanes x entry)
 
-  // Fills the table from centroids (2^BITS) staged in shared memory as fp16; the whole CTA, no barrier at the end.
-  // Every lane's column holds the same entry, so each store writes 16 bytes: four lanes' entries (two for 2 bits).
-  __device__ static void build(uint32_t* table, const __half* cent) {
-    constexpr int STORES_PER_BYTE = 32 * ENTRY_WORDS / 4;
-    for (int i = threadIdx.x; i < ROWS * STORES_PER_BYTE; i += WARPS * 32) {
-      const int byte = i / STORES_PER_BYTE;
-      uint4 entries;
-      if constexpr (BITS == 8 || BITS == 5 || BITS == 6) {
-        const uint32_t e = half2_bits(__halves2half2(cent[byte], cent[byte]));
-        entries = make_uint4(e, e, e, e);
-      } else if constexpr (BITS == 4) {
-        const uint32_t e = half2_bits(__halves2half2(cent[byte & 15], cent[byte >> 4]));
-        entries = make_uint4(e, e, e, e);
-      } else if constexpr (BITS == 3) {
-        const uint32_t e = half2_bits(__halves2half2(cent[(byte & 3) | ((byte >> 2) & 4)],
-                                                     cent[((byte >> 2) & 3) | ((byte >> 4) & 4)]));
-        entries = make_uint4(e, e, e, e);
-      } else {
-        const uint32_t e0 = half2_bits(__halves2half2(cent[byte & 3], cent[(byte >> 2) & 3]));
-        const uint32_t e1 = half2_bits(__halves2half2(cent[(byte >> 4) & 3], cent[byte >> 6]));
-        entries = make_uint4(e0, e1, e0, e1);
-      }
-      reinterpret_cast<uint4*>(table)[i] = entries;
+  // Fills the table from the codebook's constants (codebooks.h); the whole CTA, no barrier at the end.  Store
+  // k of thread t writes 16 bytes of entry row byte = t / SPB + k 128 / SPB (SPB stores per row: 32 lanes'
+  // columns hold the same entry, four or two of them per store), so a row's stores are consecutive (no bank
+  // conflicts) and each field of `byte` is either thread-constant (u = t / SPB) or store-constant (k): the
+  // centroids come from small select trees over immediates, and the build waits on no load.
+  static constexpr int SPB = 32 * ENTRY_WORDS / 4;
+  static constexpr int STORES = ROWS * SPB / (WARPS * 32);
+  static_assert(ROWS * SPB % (WARPS * 32) == 0, "the table's stores spread evenly over the threads");
+
+  // Codebook<BITS>::HALF[LO + idx], idx in [0, N) (N a power of two): N - 1 selects between immediates.
+  template <int LO, int N>
+  __device__ __forceinline__ static uint32_t pick(int idx) {
+    if constexpr (N == 1) return Codebook<BITS>::HALF[LO];
+    else return idx & (N / 2) ? pick<LO + N / 2, N / 2>(idx) : pick<LO, N / 2>(idx);
+  }
+  template <int LO>
+  __device__ __forceinline__ static uint32_t fixed() { return Codebook<BITS>::HALF[LO]; }
+
+  template <int K>
+  __device__ __forceinline__ static void store(uint32_t* table, int u) {
+    // byte = u + K * 128 / SPB; u < 128 / SPB.
+    uint4 entries;
+    if constexpr (BITS == 8 || BITS == 5 || BITS == 6) {   // one code: c[byte] (16 k + u)
+      const uint32_t c = pick<16 * K, 16>(u);
+      const uint32_t e = c | (c << 16);
+      entries = make_uint4(e, e, e, e);
+    } else if constexpr (BITS == 4) {   // (c[byte & 15], c[byte >> 4]) = (c[u], c[k])
+      const uint32_t e = pick<0, 16>(u) | (fixed<K>() << 16);
+      entries = make_uint4(e, e, e, e);
+    } else if constexpr (BITS == 3) {   // a = (byte & 3) | bit 4 of byte << 2, b = (byte >> 2 & 3) | bit 6 << 2
+      const uint32_t e = pick<(K & 1) * 4, 4>(u & 3) | (pick<((K >> 2) & 1) * 4, 4>((u >> 2) & 3) << 16);
+      entries = make_uint4(e, e, e, e);
+    } else {   // 2 bits, byte = u + 8 k: fields byte & 3 = u & 3, bits 2-3 = (u >> 2) | (k & 1) << 1, then k's
+      const uint32_t e0 = pick<0, 4>(u & 3) | (pick<(K & 1) * 2, 2>(u >> 2) << 16);
+      const uint32_t e1 = fixed<(K >> 1) & 3>() | (fixed<(K >> 3)>() << 16);
+      entries = make_uint4(e0, e1, e0, e1);
     }
+    reinterpret_cast<uint4*>(table)[threadIdx.x + K * WARPS * 32] = entries;
+  }
+  template <int... K>
+  __device__ __forceinline__ static void store_all(uint32_t* table, int u, std::integer_sequence<int, K...>) {
+    (store<K>(table, u), ...);
+  }
+  __device__ static void build(uint32_t* table) {
+    store_all(table, threadIdx.x / SPB, std::make_integer_sequence<int, STORES>{});
   }
 
   // Byte i of `word`'s entry for this lane (lane_offset = lane * 4 * ENTRY_WORDS): the byte offset
@@ -610,7 +634,7 @@ __device__ __forceinline__ float fresh_scores(const DecodeParams& p, long long q
 // q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
 // domain (rotation is orthogonal, so q . (k - shift) is the score the rotated, transformed pair would give) and
 // their weighted values join after the rotation back (it is linear).  scratch: shared, scratch_words floats (the
-// code tables' space); small: shared, SMALL_WORDS floats (the centroids' space); y: shared [MAX_ROWS][D];
+// code tables' space); small: shared, SMALL_WORDS floats; y: shared [MAX_ROWS][D];
 // fresh_p: shared [MAX_ROWS][MAX_ROWS]; signs: shared [D].  Parts were written by other CTAs: read through L2.
 //
 // The merge sits on the kernel's tail, so it is written for latency, as one L2 round trip where it fits: each
@@ -800,8 +824,8 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* scratc
 // 4-bit codes (BENCHMARKS.md); wider codes need more prefetch registers, two tables more shared memory.
 template <int D, int KB, int VB>
 constexpr int ctas_per_sm() {
-  // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, centroids, statistics; an upper
-  // bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
+  // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, the merge's small weights,
+  // statistics; an upper bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
   // Sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
   using S = Shape<D, KB, VB>;
   constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
@@ -1138,9 +1162,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   // warps' row statistics.
   uint32_t* const k_table = code_tables;
   uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : CodeTable<KB>::WORDS);
-  __shared__ __align__(16) __half centroids[2][256];
-  static_assert(sizeof(centroids) >= SMALL_WORDS * 4, "after the table build the centroids' space holds the merge's weights");
-  float* const merge_small = reinterpret_cast<float*>(centroids);
+  __shared__ __align__(16) float merge_small[SMALL_WORDS];  // the merge's weights, when they fit
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
@@ -1219,7 +1241,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
 
 
   // The set-up's loads go out before anything waits on them: the queries (row r = token r / G of query head
-  // kvh * G + r % G; warp w takes rows w and w + 4, lane l dims l N ...), the first tile, then the centroids.
+  // kvh * G + r % G; warp w takes rows w and w + 4, lane l dims l N ...), the signs, the gains and the first tile.
   // (An L2 prefetch of the split's first keys here, or kept running ahead of the warps, measured no faster.)
   constexpr int N = D / 32;
   // sign / gain of dim lane N + i: at D = 512 (N = 16) as one product, which saves registers in the set-up.
@@ -1246,19 +1268,18 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   // Each warp walks its own tiles, or (sliced) every warp walks every tile.
   const int first_tile = lo + (S::SLICED ? 0 : warp * TILE_KEYS);
   if (first_tile < hi) load(first_tile, next);
-  for (int i = tid; i < (1 << KB); i += WARPS * 32) centroids[0][i] = __float2half_rn(p.k_centroids[i]);
-  for (int i = tid; i < (1 << VB); i += WARPS * 32) centroids[1][i] = __float2half_rn(p.v_centroids[i]);
+  TURBOATTN_STAMP(2);
+  // The tables come from the codebooks' constants, so they are built while the loads are in flight (ptxas
+  // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
+  CodeTable<KB>::build(k_table);
+  if constexpr (!S::SHARED_TABLE) CodeTable<VB>::build(v_table);
+  TURBOATTN_STAMP(9);
   if constexpr (FOLD) {
     for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
   } else if (warp == 0) {
 #pragma unroll
     for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
-  __syncthreads();  // the centroids are staged
-  TURBOATTN_STAMP(2);
-  CodeTable<KB>::build(k_table, centroids[0]);
-  if constexpr (!S::SHARED_TABLE) CodeTable<VB>::build(v_table, centroids[1]);
-  TURBOATTN_STAMP(9);
   // q / gain, signs, then H.
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
