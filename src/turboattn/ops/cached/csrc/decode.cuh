@@ -404,17 +404,6 @@ __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
 
-// One element of a tensor in q's dtype (dtype 0 float16, 1 bfloat16, 2 float32) as a float.
-__device__ __forceinline__ float load_float(const void* base, int dtype, long long offset) {
-  if (dtype == 0) return __half2float(reinterpret_cast<const __half*>(base)[offset]);
-  if (dtype == 1) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[offset]);
-  return reinterpret_cast<const float*>(base)[offset];
-}
-
-__device__ __forceinline__ float load_q(const DecodeParams& p, long long offset) {
-  return load_float(p.q, p.q_dtype, offset);
-}
-
 // N consecutive elements of a tensor in q's dtype as floats (no alignment assumed).  One branch on the dtype
 // around N independent loads: the set-up and the merge run once per CTA, from a cold instruction cache, so their
 // code is kept short and straight (a dtype branch per element measured as 10 µs of set-up at D = 512).
@@ -662,14 +651,18 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* scratc
   const size_t step = (size_t)stride * rows * D4;  // float4s between consecutive merged parts of a row
   float4 part[BATCH];
   const bool small_weights = rows * num_parts <= SMALL_WORDS;
-  float* weight = small_weights ? small : scratch + ((scratch_words - rows * num_parts) & ~3);
-  const int stage_slots = (small_weights ? scratch_words : (scratch_words - rows * num_parts) & ~3) / 4 / THREADS;
+  const int scratch_free = small_weights ? scratch_words : (scratch_words - rows * num_parts) & ~3;  // 16-byte aligned
+  float* weight = small_weights ? small : scratch + scratch_free;
+  const int stage_slots = scratch_free / 4 / THREADS;
   float4* stage = reinterpret_cast<float4*>(scratch);
   int staged = 0;
-  // Work item i: output float4 i % outputs, parts i / outputs + k groups.
-  auto load_batch = [&](int i, int q0) {
+  // Work item i: output float4 i % outputs, parts i / outputs + k groups; part q of its output at parts_of(i) + q step.
+  auto parts_of = [&](int i) {
     const int o4 = i % outputs;
-    const float4* o = reinterpret_cast<const float4*>(p.o_part + (first + o4 / D4) * D) + o4 % D4;
+    return reinterpret_cast<const float4*>(p.o_part + (first + o4 / D4) * D) + o4 % D4;
+  };
+  auto load_batch = [&](int i, int q0) {
+    const float4* o = parts_of(i);
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
       const int q = q0 + j * groups;
@@ -686,8 +679,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, float* scratc
   }
   if (tid < outputs * groups) {
     load_batch(tid, tid / outputs);
-    const int o4 = tid % outputs;
-    const float4* o = reinterpret_cast<const float4*>(p.o_part + (first + o4 / D4) * D) + o4 % D4;
+    const float4* o = parts_of(tid);
     for (int j = 0; j < stage_slots; ++j) {
       const int q = tid / outputs + (BATCH + j) * groups;
       if (q >= num_parts) break;
@@ -865,9 +857,13 @@ __device__ __forceinline__ void merge_group(const DecodeParams& p, int first_par
     float mx = -INFINITY, sum = 0.f;
     for (int q = 0; q < count; ++q) mx = fmaxf(mx, lse[q]);  // NaN passes by (its weight is NaN below)
     const float m_use = mx == -INFINITY ? 0.f : mx;
-    for (int q = 0; q < count; ++q) sum += exp2f(lse[q] - m_use);
+    float* w = weight + tid * count;
+    for (int q = 0; q < count; ++q) {
+      w[q] = exp2f(lse[q] - m_use);
+      sum += w[q];
+    }
     const float inv = sum != 0.f ? 1.f / sum : 0.f;  // nothing seen: weights 0, output 0; NaN stays NaN
-    for (int q = 0; q < count; ++q) weight[tid * count + q] = exp2f(lse[q] - m_use) * inv;
+    for (int q = 0; q < count; ++q) w[q] *= inv;
     p.lse_part[base + tid] = sum != 0.f ? m_use + log2f(sum) : -INFINITY;  // read into lse_s above
   }
   __syncthreads();
@@ -990,9 +986,14 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
   float* alpha_s = s_s + MAX_ROWS * CH;                            // [MAX_ROWS]: each query row's rescale
   float* shift_s = alpha_s + MAX_ROWS;                             // [D]: the key shift
   float* o_s = shift_s + D;                                        // [GROUPS][MAX_ROWS][D]: the groups' outputs
-  for (int i = tid; i < MAX_ROWS * D; i += THREADS) {
-    const int r = i / D, d = i % D, t = r / p.group, h = kvh * p.group + r % p.group;
-    q_s[i] = r < rows ? load_q(p, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d) : 0.f;
+  {  // q: thread t takes QPT consecutive dims of row t / (D / QPT)
+    constexpr int QPT = MAX_ROWS * D / THREADS;
+    static_assert(D % QPT == 0, "a thread's dims of q lie in one row");
+    const int r = tid / (D / QPT), d0 = tid % (D / QPT) * QPT, t = r / p.group, h = kvh * p.group + r % p.group;
+    float x[QPT] = {};
+    if (r < rows) load_row<QPT>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d0, x);
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) q_s[r * D + d0 + i] = x[i];
   }
   for (int i = tid; i < D; i += THREADS) {
     signs[i] = p.signs[i];
