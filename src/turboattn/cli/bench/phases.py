@@ -22,6 +22,7 @@ import torch
 
 from ... import KVCodec, cached_attention
 from ...ops.cached import cuda as cuda_path
+from ...ops.cached.triton import part_buffers
 from ...ops.cuda_extension import stamped_extension
 from .args import add_out, presets, shape
 from .common import environment, print_table, require_cuda, write_results
@@ -50,9 +51,8 @@ def stamped_call(q: torch.Tensor, cache) -> torch.Tensor:
         held["stamps"] = room[o_part.numel():].view(torch.int64).view(ctas, SLOTS)
         return room, lse_part
 
-    part_buffers = cuda_path.part_buffers
     with mock.patch.object(cuda_path, "extension", stamped_extension), \
-            mock.patch.object(cuda_path, "part_buffers", buffers):
+            mock.patch.object(cuda_path, "part_scratch", buffers):
         cached_attention(q, cache)
     torch.cuda.synchronize()
     return held["stamps"].cpu()

@@ -24,7 +24,7 @@ from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves,
                      cuda_merge_group, plan_decode)
-from .triton import cached_attention_triton, part_buffers, query_scale
+from .triton import cached_attention_triton, query_scale
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -64,7 +64,6 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     if q.stride(3) != 1:
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)
-    o_part, lse_part = part_buffers(q, hkv, num_parts)
     if k is not None:
         # The kernel reads fresh k and v in q's dtype (attention.py requires it: no copy then) with one set of
         # strides (unit stride along D).
@@ -78,19 +77,25 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     key_shift = layout.key_shift if (k is not None or exact) and transform and layout.key_shifted else None
     recent = _row_pair(layout.recent_k, layout.recent_v) if exact_recent else _NO_ROWS
     first = _row_pair(layout.first_k, layout.first_v) if exact_first else _NO_ROWS
-    out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=dev)
     counters = layout.merge_counters
     if counters is None:
         counters = arrival_counters(dev, b * hkv * CUDA_COUNTERS_PER_HEAD)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     window = layout.sliding_window
-    ext.decode(q, k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-               layout.key_gain_inv if transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev), o_part,
-               lse_part, float(q_scale), float(softcap or 0.0), window or 0, plan.num_splits, num_parts,
-               window is not None, k is not None, CUDA_CHUNK_ALIGN, counters, out, sinks, k, v, key_shift, *recent,
-               *first, cuda_merge_group(num_parts, rows, d))
-    return out
+    # The binding allocates the parts' scratch and the output ([B, Hq, Tq, D] in q's dtype) and returns the output.
+    return ext.decode(q, k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
+                      layout.key_gain_inv if transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev),
+                      *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0), window or 0,
+                      plan.num_splits, num_parts, window is not None, k is not None, CUDA_CHUNK_ALIGN, counters, None,
+                      sinks, k, v, key_shift, *recent, *first, cuda_merge_group(num_parts, rows, d))
+
+
+def part_scratch(q: torch.Tensor, num_kv_heads: int, num_parts: int) -> tuple[None, None]:
+    """The parts' buffers handed to the kernel: none, so the binding allocates them (one allocation in C++, cheaper
+    on a decode step's host path than two torch.empty calls here).  `turboattn bench phases` replaces this to hand
+    its own, with room for its stamps."""
+    return None, None
 
 
 _NO_ROWS = (None, None)

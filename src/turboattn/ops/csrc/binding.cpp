@@ -17,11 +17,14 @@ int dtype_code(const torch::Tensor& t) {
 }
 }  // namespace
 
-void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
+// o_part, lse_part: the parts' buffers, or None (allocated here: one allocation, cheaper in C++ than two
+// torch.empty calls from Python on a decode step's host path); out: the output, or None (allocated here, [B, Hq, Tq,
+// D] contiguous in q's dtype).  Returns the output.
+torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
             const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
             const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv, const torch::Tensor& signs,
-            const torch::Tensor& k_centroids, const torch::Tensor& v_centroids, torch::Tensor& o_part,
-            torch::Tensor& lse_part, double q_scale, double softcap, int64_t window, int64_t num_splits,
+            const torch::Tensor& k_centroids, const torch::Tensor& v_centroids,
+            const c10::optional<torch::Tensor>& o_part, const c10::optional<torch::Tensor>& lse_part, double q_scale, double softcap, int64_t window, int64_t num_splits,
             int64_t num_parts, bool ring, bool has_fresh, int64_t chunk_align,
             const c10::optional<torch::Tensor>& counters, const c10::optional<torch::Tensor>& out,
             const c10::optional<torch::Tensor>& sinks, const c10::optional<torch::Tensor>& k_new,
@@ -46,10 +49,20 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
   p.signs = signs.data_ptr<float>();
   p.k_centroids = k_centroids.data_ptr<float>();
   p.v_centroids = v_centroids.data_ptr<float>();
-  p.o_part = o_part.data_ptr<float>();
-  p.lse_part = lse_part.data_ptr<float>();
+  const int64_t rows = q.size(2) * (q.size(1) / k_codes.size(1));
+  const int64_t part_rows = k_codes.size(0) * k_codes.size(1) * num_parts * rows;
+  torch::Tensor scratch;  // held until the launch is queued (the allocator orders its reuse on the stream)
+  if (o_part.has_value()) {
+    p.o_part = o_part->data_ptr<float>();
+    p.lse_part = lse_part->data_ptr<float>();
+  } else {
+    scratch = at::empty({part_rows * (q.size(3) + 1)}, q.options().dtype(at::kFloat));
+    p.o_part = scratch.data_ptr<float>();
+    p.lse_part = p.o_part + part_rows * q.size(3);
+  }
+  const torch::Tensor output = out.has_value() ? *out : at::empty(q.sizes(), q.options());
   p.counters = counters.has_value() ? counters->data_ptr<int>() : nullptr;
-  p.out = out.has_value() ? out->data_ptr() : nullptr;
+  p.out = output.data_ptr();
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   if (k_new.has_value()) {  // v_new shares k_new's strides and dtype (q's)
     p.k_new = k_new->data_ptr();
@@ -118,6 +131,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::T
   }
   TORCH_CHECK(err != -1, "turboattn decode: no kernel for head_dim ", head_dim, ", k_bits ", k_bits, ", v_bits ", v_bits);
   TORCH_CHECK(err == 0, "turboattn decode launch failed: CUDA error ", err);
+  return output;
 }
 
 int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
