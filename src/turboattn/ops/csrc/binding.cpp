@@ -21,17 +21,17 @@ int dtype_code(const torch::Tensor& t) {
 // torch.empty calls from Python on a decode step's host path); out: the output, or None (allocated here, [B, Hq, Tq,
 // D] contiguous in q's dtype).  Returns the output.
 torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
-            const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
-            const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv, const torch::Tensor& signs,
-            const torch::Tensor& k_centroids, const torch::Tensor& v_centroids,
-            const c10::optional<torch::Tensor>& o_part, const c10::optional<torch::Tensor>& lse_part, double q_scale, double softcap, int64_t window, int64_t num_splits,
-            int64_t num_parts, bool ring, bool has_fresh, int64_t chunk_align,
-            const c10::optional<torch::Tensor>& counters, const c10::optional<torch::Tensor>& out,
-            const c10::optional<torch::Tensor>& sinks, const c10::optional<torch::Tensor>& k_new,
-            const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& key_shift,
-            const c10::optional<torch::Tensor>& recent_k, const c10::optional<torch::Tensor>& recent_v,
-            const c10::optional<torch::Tensor>& first_k, const c10::optional<torch::Tensor>& first_v,
-            int64_t merge_group) {
+                     const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
+                     const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv,
+                     const torch::Tensor& signs, const torch::Tensor& k_centroids, const torch::Tensor& v_centroids,
+                     const c10::optional<torch::Tensor>& o_part, const c10::optional<torch::Tensor>& lse_part,
+                     double q_scale, double softcap, int64_t window, int64_t num_splits, int64_t num_parts, bool ring,
+                     bool has_fresh, int64_t chunk_align, const c10::optional<torch::Tensor>& counters,
+                     const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& sinks,
+                     const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new,
+                     const c10::optional<torch::Tensor>& key_shift, const c10::optional<torch::Tensor>& recent_k,
+                     const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
+                     const c10::optional<torch::Tensor>& first_v, int64_t merge_group) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -51,6 +51,8 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.v_centroids = v_centroids.data_ptr<float>();
   const int64_t rows = q.size(2) * (q.size(1) / k_codes.size(1));
   const int64_t part_rows = k_codes.size(0) * k_codes.size(1) * num_parts * rows;
+  TORCH_CHECK(o_part.has_value() == lse_part.has_value(),
+              "turboattn decode: pass both o_part and lse_part, or neither");
   torch::Tensor scratch;  // held until the launch is queued (the allocator orders its reuse on the stream)
   if (o_part.has_value()) {
     p.o_part = o_part->data_ptr<float>();
