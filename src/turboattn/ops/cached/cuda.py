@@ -103,7 +103,8 @@ _NO_ROWS = (None, None)
 
 @lru_cache(maxsize=None)
 def _tables(head_dim: int, k_bits: int, v_bits: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The kernel's read-only tables: the rotation's signs, the K and V centroids (float32); one lookup per call."""
+    """The kernel's read-only inputs: the rotation's signs, and the K and V centroids (float32), whose sizes give the
+    binding the bit widths (the kernel builds its tables from the same levels, compiled in); one lookup per call."""
     return (device_signs(head_dim, device), device_centroids(k_bits, device, torch.float32),
             device_centroids(v_bits, device, torch.float32))
 

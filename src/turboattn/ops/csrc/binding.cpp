@@ -47,8 +47,6 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.starts = starts.data_ptr<int>();
   p.gain_inv = gain_inv.has_value() ? gain_inv->data_ptr<float>() : nullptr;
   p.signs = signs.data_ptr<float>();
-  p.k_centroids = k_centroids.data_ptr<float>();
-  p.v_centroids = v_centroids.data_ptr<float>();
   const int64_t rows = q.size(2) * (q.size(1) / k_codes.size(1));
   const int64_t part_rows = k_codes.size(0) * k_codes.size(1) * num_parts * rows;
   TORCH_CHECK(o_part.has_value() == lse_part.has_value(),
@@ -106,7 +104,8 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
   p.merge_group = merge_group;
-  // The codebooks give the bit widths (2^bits centroids each).
+  // The codebooks give the bit widths (2^bits centroids each); the kernel builds its tables from the same levels,
+  // compiled in (csrc/codebooks.h).
   const int k_bits = static_cast<int>(std::log2(k_centroids.numel()));
   const int v_bits = static_cast<int>(std::log2(v_centroids.numel()));
   const c10::cuda::CUDAGuard guard(q.device());

@@ -23,8 +23,6 @@ struct DecodeParams {
   const int* starts;
   const float* gain_inv;  // [B, Hkv, D] or nullptr
   const float* signs;     // [D]
-  const float* k_centroids;  // [2^k_bits] float32, the K codebook
-  const float* v_centroids;  // [2^v_bits]
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
   // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges the num_parts cache parts
