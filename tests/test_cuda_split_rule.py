@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_TAIL_KEYS,
-                                         CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_WIDE,
+                                         CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64,
                                          CUDA_MIN_KEYS_PER_SPLIT, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
                                          cuda_exact_splits, cuda_filled_splits, cuda_merge_group, cuda_num_splits)
 
@@ -21,7 +21,7 @@ TOKENS = st.integers(1, 1 << 20)
 @given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256, 512]), TOKENS)
 def test_split_rule_bounds(resident, bkv, d, tokens):
     splits = cuda_num_splits(resident, bkv, d, tokens)
-    assert 1 <= splits <= (CUDA_MAX_SPLITS_WIDE if d == 512 else CUDA_MAX_SPLITS)
+    assert 1 <= splits <= (CUDA_MAX_SPLITS_D64 if d == 64 else CUDA_MAX_SPLITS)
     # At most one wave of resident CTAs (a single split when even one per (sequence, KV head) is more).
     assert splits == 1 or splits * bkv <= resident
     # Splits of at least CUDA_MIN_KEYS_PER_SPLIT keys.
@@ -61,20 +61,22 @@ def test_short_splits_use_half_a_wave_at_wide_heads(resident, bkv, d, tokens):
 @settings(max_examples=300, deadline=None)
 @given(RESIDENT, BATCH_KV_HEADS, TOKENS)
 def test_head_dim_64_keeps_the_full_wave(resident, bkv, tokens):
-    full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS))
+    full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS_D64))
     assert cuda_num_splits(resident, bkv, 64, tokens) == cuda_filled_splits(full, tokens)
 
 
 def test_split_rule_at_the_measured_shapes():
     # H100: 132 SMs x 4 CTAs (k4v4 at D <= 128), x 2 at D = 256; the sweep winners of BENCHMARKS.md.
     assert cuda_num_splits(528, 8, 128, 32768) == 32      # B=1, 8 KV heads: half a wave (33) less the empty split
-    assert cuda_num_splits(528, 1, 128, 32768) == 64      # B=1, 1 KV head: the cap
+    assert cuda_num_splits(528, 1, 128, 32768) == 128     # B=1, 1 KV head: the cap
+    assert cuda_num_splits(528, 2, 128, 32768) == 128     # B=1, 2 KV heads
+    assert cuda_num_splits(264, 2, 256, 32768) == 64      # D=256, 2 KV heads: half a wave (66, 64 filled)
     assert cuda_num_splits(528, 16, 128, 16384) == 16     # B=2
     assert cuda_num_splits(528, 64, 128, 32768) == 8      # B=8: long splits keep the full wave
     assert cuda_num_splits(528, 64, 128, 1024) == 4       # short context: 256-key splits
     assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
     assert cuda_num_splits(264, 64, 256, 8192) == 4
-    assert cuda_num_splits(528, 2, 512, 32768) == 128     # D=512, one sequence x 2 KV heads: the wide cap
+    assert cuda_num_splits(528, 2, 512, 32768) == 128     # D=512, one sequence x 2 KV heads: the cap
 
 
 @settings(max_examples=500, deadline=None)

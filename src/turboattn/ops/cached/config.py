@@ -50,8 +50,8 @@ CUDA_BIT_PAIRS = frozenset({(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (4, 3), (4, 
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
 CUDA_MIN_KEYS_PER_SPLIT = 256
-CUDA_MAX_SPLITS = 64
-CUDA_MAX_SPLITS_WIDE = 128   # D = 512 (sliced: 4 warps per split, latency-bound): 128 splits measured faster
+CUDA_MAX_SPLITS = 128
+CUDA_MAX_SPLITS_D64 = 64   # D = 64: 128 measured 3% slower (one sequence x 1 KV head at 32K, H100)
 CUDA_SHORT_SPLIT = 1024
 CUDA_EXACT_TAIL_KEYS = 512
 CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 16-key tile)
@@ -68,13 +68,15 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
 
     One wave at most (a second measured slower: each CTA builds its tables and rotates q), splits of at least
     CUDA_MIN_KEYS_PER_SPLIT keys (8 x 8 heads at L=1024: 4 splits 16.4 us, 2 splits 17.3), at most
-    CUDA_MAX_SPLITS (the merge on the kernel's tail reads every part: one sequence with 1-2 KV heads at L=32K
-    takes 26-27 us at 64, 30-33 us at 128; CUDA_MAX_SPLITS_WIDE at D = 512: 1 x 2 heads at 32K, k4v4, 91 us at
-    128 and 97 at 64 with the two-level merge), and half a wave where a full one would cut splits shorter than
-    CUDA_SHORT_SPLIT keys at D >= 128 (one sequence x 8 heads at L=32K: 28.2 us at 32 splits, 30.7 at 64;
-    2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads at 16K: 23.5 us at 22, 26.6 at 11).
+    CUDA_MAX_SPLITS (CUDA_MAX_SPLITS_D64 at D = 64; the merge on the kernel's tail reads every part, and since its
+    loads stay in flight across a thread's outputs 128 splits beat 64 where few (sequence, KV head) pairs would
+    leave SMs idle: H100, k4v4, one sequence x 1 KV head at L=32K, D = 128: 16.2 against 20.5 us; 2 KV heads 18.4
+    against 21.0; D = 256 x 1 head 21.1 against 23.3; D = 512 x 2 heads 54.2 against 61.5), and half a wave where a
+    full one would cut splits shorter than CUDA_SHORT_SPLIT keys at D >= 128 (one sequence x 8 heads at L=32K:
+    28.2 us at 32 splits, 30.7 at 64; 2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads at
+    16K: 23.5 us at 22, 26.6 at 11).
     """
-    most = CUDA_MAX_SPLITS_WIDE if head_dim >= 512 else CUDA_MAX_SPLITS
+    most = CUDA_MAX_SPLITS_D64 if head_dim <= 64 else CUDA_MAX_SPLITS
     splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT, most))
     if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
         splits = max(1, min(splits, resident // 2 // batch_kv_heads))
