@@ -60,9 +60,11 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
     p.o_part = scratch.data_ptr<float>();
     p.lse_part = p.o_part + part_rows * q.size(3);
   }
-  // The kernel stores a lane's elements of a row with wide stores: the output must be contiguous.
-  TORCH_CHECK(!out.has_value() || (out->is_contiguous() && out->sizes() == q.sizes() && out->dtype() == q.dtype()),
-              "turboattn decode: out must be contiguous, with q's shape and dtype");
+  // The kernel stores a lane's elements of a row with wide (up to 16-byte) stores: the output must be contiguous
+  // and 16-byte aligned.
+  TORCH_CHECK(!out.has_value() || (out->is_contiguous() && out->sizes() == q.sizes() && out->dtype() == q.dtype() &&
+                                   reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0),
+              "turboattn decode: out must be contiguous and 16-byte aligned, with q's shape and dtype");
   const torch::Tensor output = out.has_value() ? *out : at::empty(q.sizes(), q.options());
   p.counters = counters.has_value() ? counters->data_ptr<int>() : nullptr;
   p.out = output.data_ptr();

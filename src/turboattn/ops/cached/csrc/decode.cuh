@@ -667,7 +667,7 @@ template <int D>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float* scratch, int scratch_words,
                                             float* small, float* y, float* denominator, float* fresh_p,
                                             const float* signs, int num_parts, int stride) {
-  // Indices are recomputed here, so that the main loop need not keep them alive.
+  // b and kvh are recomputed here (the main loop need not keep them alive); bh comes from the caller.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q * stride * rows + r
