@@ -15,6 +15,8 @@ from functools import partial
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,6 +25,7 @@ from hf_models import (fake_quant_cache, key_transform, random_ids, teacher_forc
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 from turboattn import KVCodec, flash_attention  # noqa: E402
 from turboattn.hf import TurboQuantCache, turboattn_attention, turboattn_mask  # noqa: E402
+from turboattn.integrations.hf import _grown_capacity  # noqa: E402
 from turboattn.format.key_transform import MIN_FIT_TOKENS  # noqa: E402
 
 ATOL = 1e-4
@@ -157,6 +160,30 @@ def test_no_cache_forward_matches_eager():
     want = ref_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(got[0], want[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(got[1, 6:], want[1, 6:], atol=ATOL, rtol=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1 << 22), st.integers(1, 1 << 14))
+def test_growth_keeps_the_spare_room_a_quarter(capacity, extra):
+    """A growing layer reserves room for what it needs plus at most a quarter of its capacity (or the initial
+    capacity, for small caches), and grows by at least that much, so that copies stay amortized."""
+    need = capacity + extra
+    grown = _grown_capacity(capacity, need)
+    assert grown >= need
+    assert grown - capacity >= max(capacity // 4, 256)
+    assert grown - need <= max(capacity // 4, 256)   # the spare room
+
+
+@torch.no_grad()
+def test_a_long_prompt_grows_by_a_quarter_on_its_first_decoded_token():
+    model = tiny_llama()
+    cache = TurboQuantCache(model.config, 4, 4)
+    ids = random_ids(1001)
+    model(input_ids=ids[:, :1000], past_key_values=cache)
+    assert cache.layers[0].cache.capacity == 1000
+    model(input_ids=ids[:, 1000:], past_key_values=cache)
+    assert cache.layers[0].cache.capacity == 1256   # 1000 + 256 (a quarter, 250, is under the initial 256)
+    assert cache.get_seq_length() == 1001
 
 
 @torch.no_grad()
