@@ -371,7 +371,7 @@ class QuantizedKVCache:
         """Grow a contiguous cache to hold `capacity` tokens per sequence, keeping its contents.
 
         One reallocation and copy; callers that grow token by token should
-        reserve geometrically (the Hugging Face cache doubles).  A ring cache
+        reserve geometrically (the Hugging Face cache adds a quarter).  A ring cache
         has a fixed size and rejects this.
         """
         if self.is_ring:
