@@ -72,14 +72,6 @@ KEY_FIT_DEFAULT = "center"   # QUALITY.md: "balance" costs long-context retrieva
 SUPPORTED_TRANSFORMERS = ">=5.0"   # the CacheLayerMixin / AttentionInterface API; CI tests the current release
 _INITIAL_CAPACITY = 256
 
-
-def _grown_capacity(capacity: int, need: int) -> int:
-    """The capacity a growing layer reserves when `need` tokens pass its `capacity`: a quarter more (at least
-    _INITIAL_CAPACITY tokens more), so that the copies stay amortized O(1) per token (each token is copied at most
-    about four times) while the spare room stays under a quarter of the cache.  Doubling left a long prompt's cache
-    twice its size from the first decoded token on: 8B shape, B=32, 32K tokens, 68 GiB instead of 34."""
-    return max(need, capacity + max(capacity // 4, _INITIAL_CAPACITY))
-
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.configuration_utils import PretrainedConfig
@@ -282,6 +274,14 @@ class TurboQuantLayer(CacheLayerMixin):
 
 
 _EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _grown_capacity(capacity: int, need: int) -> int:
+    """The capacity a growing layer reserves when `need` tokens pass its `capacity`: a quarter more (at least
+    _INITIAL_CAPACITY tokens more), so that the copies stay amortized O(1) per token (each token is copied about four
+    times on average) while the spare room stays under a quarter of the cache.  Doubling left a long prompt's cache
+    twice its size from the first decoded token on: 8B shape, B=32, 32K tokens, 68 GiB instead of 34."""
+    return max(need, capacity + max(capacity // 4, _INITIAL_CAPACITY))
 
 
 def _exact_dtype(dtype) -> torch.dtype:
