@@ -645,6 +645,39 @@ __device__ __forceinline__ float fresh_scores(const DecodeParams& p, long long q
   return mx;
 }
 
+// The weighted sums over parts of ITEMS outputs of this thread, the float4s tid + (FIRST + k) THREADS of a part
+// (k < ITEMS; those from `outputs` on are skipped), added to acc: part q of output i is o[q step + i - tid] and its
+// weight weight[(i / (D / 4)) num_parts + q] (weights [rows][num_parts]).  Parts outer and outputs inner, QB x ITEMS
+// = about 16 loads in flight, so that num_parts / QB L2 round trips cover them (a loop over the outputs, each
+// waiting on its own loads, takes a round trip per output and batch); each output adds its parts in order.
+template <int D, int ITEMS, int FIRST, typename Step>
+__device__ __forceinline__ void sum_parts_in_flight(const float4* o, Step step, const float* weight, int num_parts,
+                                                    int outputs, float4 (&acc)[ITEMS]) {
+  constexpr int D4 = D / 4, THREADS = WARPS * 32, QB = ITEMS >= 16 ? 1 : 16 / ITEMS;
+  const int tid = threadIdx.x;
+#pragma unroll 1
+  for (int q0 = 0; q0 < num_parts; q0 += QB) {
+    float4 x[QB][ITEMS];
+#pragma unroll
+    for (int j = 0; j < QB; ++j) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const bool valid = q0 + j < num_parts && tid + (FIRST + k) * THREADS < outputs;
+        x[j][k] = valid ? __ldcg(o + (q0 + j) * step + (FIRST + k) * THREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < QB; ++j) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const bool valid = q0 + j < num_parts && tid + (FIRST + k) * THREADS < outputs;
+        const float w = valid ? weight[((tid + (FIRST + k) * THREADS) / D4) * num_parts + q0 + j] : 0.f;
+        acc[k].x += w * x[j][k].x, acc[k].y += w * x[j][k].y, acc[k].z += w * x[j][k].z, acc[k].w += w * x[j][k].w;
+      }
+    }
+  }
+}
+
 // The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
 // log2-sum-exp (plus the sink logit in the denominator), then the rotation back x = signs * H y / sqrt(D), cast to
 // q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
@@ -798,38 +831,16 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
     y4[i] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);  // groups x outputs <= MAX_ROWS x D4
   }
   if constexpr (OTHERS_TOGETHER) {
-    // The thread's other outputs, float4s tid + k THREADS (k = 1 .. ITEMS - 1; groups = 1 here): their parts outer
-    // and the outputs inner, about 16 loads in flight, as in merge_group (one output after another, each waiting on
-    // its own batches, took 8 L2 round trips at D = 512 and 8.2 µs on an H100).  Same summation order as before.
+    // The thread's other outputs, float4s tid + k THREADS (k = 1 .. ITEMS - 1; groups = 1 here), summed together
+    // (one output after another, each waiting on its own batches, took 8 L2 round trips at D = 512 and 8.2 µs on an
+    // H100).  Same summation order as the first output's.
     if (outputs > THREADS) {
-      constexpr int OTHERS = ITEMS - 1, QB = 16 / OTHERS > 0 ? 16 / OTHERS : 1;
-      // Part q of output k: o[q step + k THREADS].
-      const float4* o = reinterpret_cast<const float4*>(p.o_part + first * D) + tid;
-      const size_t step = (size_t)stride * outputs;
+      constexpr int OTHERS = ITEMS - 1;
       float4 acc[OTHERS];
 #pragma unroll
       for (int k = 0; k < OTHERS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-      for (int q0 = 0; q0 < num_parts; q0 += QB) {
-        float4 x[QB][OTHERS];
-#pragma unroll
-        for (int j = 0; j < QB; ++j) {
-#pragma unroll
-          for (int k = 0; k < OTHERS; ++k) {
-            const bool valid = q0 + j < num_parts && tid + (k + 1) * THREADS < outputs;
-            x[j][k] = valid ? __ldcg(o + (q0 + j) * step + (k + 1) * THREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < QB; ++j) {
-#pragma unroll
-          for (int k = 0; k < OTHERS; ++k) {
-            const bool valid = q0 + j < num_parts && tid + (k + 1) * THREADS < outputs;
-            const float w = valid ? weight[((tid + (k + 1) * THREADS) / D4) * num_parts + q0 + j] : 0.f;
-            acc[k].x += w * x[j][k].x, acc[k].y += w * x[j][k].y, acc[k].z += w * x[j][k].z, acc[k].w += w * x[j][k].w;
-          }
-        }
-      }
+      sum_parts_in_flight<D, OTHERS, 1>(reinterpret_cast<const float4*>(p.o_part + first * D) + tid,
+                                         (size_t)stride * outputs, weight, num_parts, outputs, acc);
 #pragma unroll
       for (int k = 0; k < OTHERS; ++k) {
         const int i = tid + (k + 1) * THREADS;
@@ -914,15 +925,14 @@ extern __shared__ __align__(16) uint32_t code_tables[];
 // One level of the merge of a two-level plan (p.merge_group < p.num_parts): the last CTA of a group of
 // merge_group consecutive parts merges them into the group's first part (its output and log2-sum-exp), so that
 // the final merge reads one part per group.  Each part's weight is computed once per row (a thread per row) and
-// staged.  A thread owns up to ITEMS float4s of the output (8 at D = 512) and reads them part by part, QB parts at a
-// time: QB x ITEMS = 16 loads in flight, so that the group costs count / QB L2 round trips (a loop over the items,
-// each waiting on its own loads, took 16 round trips: 9.8 µs at D = 512, B=1 L=32K, against 6.5 this way, H200).
-// A thread writes only what it read.  lse_s: shared scratch of 2 x MAX_ROWS x count floats.
+// staged.  A thread owns up to ITEMS float4s of the output (8 at D = 512) and sums them together
+// (sum_parts_in_flight: a loop over the items, each waiting on its own loads, took 16 round trips for 12 parts,
+// 9.8 µs at D = 512, B=1 L=32K, against 6.5 this way, H200).  A thread writes only what it read.  lse_s: shared scratch of 2 x MAX_ROWS x count floats.
 template <int D>
 __device__ __forceinline__ void merge_group(const DecodeParams& p, int bh, int first_part, int count, float* lse_s) {
   const int tid = threadIdx.x, rows = p.tq * p.group;
   constexpr int D4 = D / 4, THREADS = WARPS * 32;
-  constexpr int ITEMS = (MAX_ROWS * D4 + THREADS - 1) / THREADS, QB = ITEMS >= 16 ? 1 : 16 / ITEMS;
+  constexpr int ITEMS = (MAX_ROWS * D4 + THREADS - 1) / THREADS;
   const size_t base = ((size_t)bh * p.num_parts + first_part) * rows;  // row r of part first_part + q: base + q rows + r
   float* weight = lse_s + rows * count;  // [r][q]: the part's share of the group's row r
   for (int i = tid; i < rows * count; i += THREADS)
@@ -949,27 +959,7 @@ __device__ __forceinline__ void merge_group(const DecodeParams& p, int bh, int f
   float4 acc[ITEMS];
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-  for (int q0 = 0; q0 < count; q0 += QB) {
-    float4 x[QB][ITEMS];
-#pragma unroll
-    for (int j = 0; j < QB; ++j) {
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k) {
-        const bool valid = q0 + j < count && tid + k * THREADS < outputs;
-        x[j][k] = valid ? __ldcg(o + (q0 + j) * outputs + k * THREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < QB; ++j) {
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k) {
-        const bool valid = q0 + j < count && tid + k * THREADS < outputs;
-        const float w = valid ? weight[((tid + k * THREADS) / D4) * count + q0 + j] : 0.f;
-        acc[k].x += w * x[j][k].x, acc[k].y += w * x[j][k].y, acc[k].z += w * x[j][k].z, acc[k].w += w * x[j][k].w;
-      }
-    }
-  }
+  sum_parts_in_flight<D, ITEMS, 0>(o, outputs, weight, count, outputs, acc);
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k)
     if (tid + k * THREADS < outputs) o[k * THREADS] = acc[k];
