@@ -93,9 +93,14 @@ def test_merge_groups_fit_the_counters(parts, rows, d):
 
 
 def test_merge_rule_at_the_measured_shapes():
-    # H100 (BENCHMARKS.md): one level at B=1 D=128 (33 parts x 8 rows) and D=64; two at D=512.
-    assert cuda_merge_group(33, 8, 128) == 33
+    # H100 (benchmarks/decode_one_level_merge_sweep_h100.json): one level up to 32K floats (32 parts x 8 rows at
+    # D=128, 128 x 2, D=64's 22 x 3), two from 64K (64 x 8 and 128 x 4 at D=128, 64 x 4 at D=256, D=512).
+    assert cuda_merge_group(32, 8, 128) == 32
+    assert cuda_merge_group(128, 2, 128) == 128
     assert cuda_merge_group(22, 3, 64) == 22
+    assert cuda_merge_group(64, 8, 128) == 8
+    assert cuda_merge_group(128, 4, 128) == 12
+    assert cuda_merge_group(64, 4, 256) == 8
     assert cuda_merge_group(128, 8, 512) == 12
 
 

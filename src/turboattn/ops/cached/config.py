@@ -58,9 +58,13 @@ CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 
 # The merge on the kernel's tail: one CTA per (sequence, KV head) reads every part (rows x D floats each).  Past
 # CUDA_ONE_LEVEL_MERGE floats it merges in two levels: the last CTA of each group of parts merges the group, the
 # last group merges the groups.  Arrival counters per (sequence, KV head): the final one and one per group
-# (csrc/decode.h's COUNTERS_PER_HEAD; a GPU test compares them).
+# (csrc/decode.h's COUNTERS_PER_HEAD; a GPU test compares them).  The bound comes from a sweep over 14 shapes
+# (H100, k4v4, benchmarks/decode_one_level_merge_sweep_h100.json): parts of 64K floats merge 12-20% faster in two
+# levels (one sequence x 4 KV heads x 8 rows x 64 parts at D = 128: 18.1 against 20.9 us; 2 heads x 4 rows x 128
+# parts: 16.7 against 19.2; D = 256, 4 rows x 64 parts: 22.7 against 27.1), parts of 32K floats as fast or faster
+# in one (8 rows x 32 parts: 15.0 against 15.8; 2 rows x 128 parts: 18.2 against 19.4 at the 8K bound).
 CUDA_COUNTERS_PER_HEAD = 17
-CUDA_ONE_LEVEL_MERGE = 64 * 1024
+CUDA_ONE_LEVEL_MERGE = 32 * 1024
 
 
 def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
