@@ -3,7 +3,7 @@
     from turboattn.hf import TurboQuantCache, register
     register()   # done by importing turboattn.hf; idempotent
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="turboattn")
-    model.generate(ids, past_key_values=TurboQuantCache(model.config, k_bits=4, v_bits=4))
+    model.generate(ids, past_key_values=TurboQuantCache(model.config))   # the default preset (DEFAULT_PRESETS)
 
 How the pieces meet.  A transformers attention module calls
 `past_key_values.update(k, v, layer_idx)` and then the registered attention
@@ -69,6 +69,29 @@ from ..format.key_transform import KEY_FITS, MIN_FIT_TOKENS, fit_key_transform
 
 ATTN_NAME = "turboattn"
 KEY_FIT_DEFAULT = "center"   # QUALITY.md: "balance" costs long-context retrieval
+
+# TurboQuantCache's default preset, by the largest head_dim a row serves: the best cache measured at <= 4.25 bits
+# per element, everything counted, on SmolLM2-135M (head_dim 64) and Gemma-3-270M (256) with the bf16 model on an
+# H100 (QUALITY.md, "Choosing the default"): SmolLM2 +0.17% perplexity at 8K-token prompts (3.89 bits), Gemma-3
+# +0.33% at 8K (4.15 bits).  Key bits matter more than value bits on both; at head_dim 256 the scales cost a
+# quarter as much, which buys the fifth key bit, and the window stays short because a sliding layer's ring holds
+# 512 tokens (Gemma-3), where each exact token costs 16 / 512 bits per element.  head_dim 128 takes the first row:
+# no model of that size was measured (k5v3 would be 4.26 bits with the exact rows at 8K).
+DEFAULT_PRESETS = (
+    (128, dict(k_bits=4, v_bits=3, exact_first=4, exact_recent=64, scale_dtype=torch.bfloat16)),
+    (512, dict(k_bits=5, v_bits=3, exact_first=4, exact_recent=8, scale_dtype=torch.bfloat16)),
+)
+# With bit widths given, the other coding options default to none of the preset's extras.
+PLAIN_OPTIONS = dict(exact_first=0, exact_recent=0, scale_dtype=torch.float32)
+
+
+def default_preset(head_dim: int) -> dict:
+    """TurboQuantCache's options when no bit widths are given: DEFAULT_PRESETS' row for head_dim."""
+    for largest, options in DEFAULT_PRESETS:
+        if head_dim <= largest:
+            return dict(options)
+    raise ValueError(f"no default preset for head_dim {head_dim} (at most {DEFAULT_PRESETS[-1][0]}); "
+                     "pass k_bits and v_bits")
 SUPPORTED_TRANSFORMERS = ">=5.0"   # the CacheLayerMixin / AttentionInterface API; CI tests the current release
 _INITIAL_CAPACITY = 256
 
@@ -302,6 +325,13 @@ def _model_dtype(config) -> torch.dtype | None:
     return None
 
 
+def _head_dim(config) -> int:
+    """Per-head dimension of a transformers config (head_dim, else hidden_size / num_attention_heads)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None)
+    return int(head_dim) if head_dim else text.hidden_size // text.num_attention_heads
+
+
 def _layer_types(config) -> list[tuple[str, int | None]]:
     """(kind, sliding_window) per decoder layer, from a transformers config."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -340,12 +370,30 @@ class TurboQuantCache(Cache):
     every full-attention layer (sliding layers: none) and reads them exactly.
     `exact_recent_sliding=False` keeps the exact recent window on full-attention layers only: a sliding layer's
     ring is short (Gemma-3: 512 tokens), so a window there costs a large share of its bytes.
+
+    Without `k_bits` and `v_bits` the cache takes the default preset for the model's head_dim
+    (`default_preset`, DEFAULT_PRESETS: k4v3 with the first 4 and 64 newest tokens exact up to head_dim 128,
+    k5v3 with the first 4 and 8 newest above, bfloat16 scales); `exact_first`, `exact_recent` and
+    `scale_dtype`, when given, replace its values.  With bit widths given those three default to none
+    (no exact tokens, float32 scales).
     """
 
-    def __init__(self, config, k_bits: int = 4, v_bits: int = 4, scale_rule: str = "corrected",
-                 quantize_current: bool = False, max_cache_len: int | None = None,
-                 fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0, exact_first: int = 0,
-                 scale_dtype: torch.dtype = torch.float32, exact_recent_sliding: bool = True):
+    def __init__(self, config, k_bits: int | None = None, v_bits: int | None = None,
+                 scale_rule: str = "corrected", quantize_current: bool = False, max_cache_len: int | None = None,
+                 fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int | None = None, exact_first: int | None = None,
+                 scale_dtype: torch.dtype | None = None, exact_recent_sliding: bool = True):
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be a transformers PretrainedConfig (model.config), "
+                            f"got {type(config).__name__}")
+        if (k_bits is None) != (v_bits is None):
+            raise ValueError(f"give both k_bits and v_bits, or neither (the default preset), got k_bits={k_bits!r}, "
+                             f"v_bits={v_bits!r}")
+        base = default_preset(_head_dim(config)) if k_bits is None else dict(PLAIN_OPTIONS, k_bits=k_bits,
+                                                                              v_bits=v_bits)
+        k_bits, v_bits = base["k_bits"], base["v_bits"]
+        exact_recent = base["exact_recent"] if exact_recent is None else exact_recent
+        exact_first = base["exact_first"] if exact_first is None else exact_first
+        scale_dtype = base["scale_dtype"] if scale_dtype is None else scale_dtype
         check_coding_options(k_bits, v_bits, scale_rule, scale_dtype)
         if not isinstance(exact_recent_sliding, bool):
             raise TypeError(f"exact_recent_sliding must be a bool, got {exact_recent_sliding!r}")
@@ -359,9 +407,6 @@ class TurboQuantCache(Cache):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         if not isinstance(quantize_current, bool):
             raise TypeError(f"quantize_current must be a bool, got {quantize_current!r}")
-        if not isinstance(config, PretrainedConfig):
-            raise TypeError(f"config must be a transformers PretrainedConfig (model.config), "
-                            f"got {type(config).__name__}")
         impl = getattr(config, "_attn_implementation", None)
         if impl is not None and impl != ATTN_NAME:
             raise ValueError(f"TurboQuantCache needs the model loaded with attn_implementation={ATTN_NAME!r}, "
