@@ -605,7 +605,7 @@ class QuantizedKVCache:
         layout, without_first = self._layout_views()
         if without_first is not None and self._first_rows_full():
             layout = without_first   # every first row is written: the op has none to copy
-        run_quantize_append(k, v, layout, n_dev, codec.k_bits, codec.v_bits, codec.scale_rule, impl)
+        run_quantize_append(k, v, layout, n_dev, codec, impl)
         if seen_host is None:
             self._empty = False
         else:
