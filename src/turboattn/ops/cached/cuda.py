@@ -115,6 +115,8 @@ def _tables(head_dim: int, k_bits: int, v_bits: int, device: torch.device) -> tu
 def _row_pair(rows_k: torch.Tensor, rows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An exact-row pair as the kernel reads it: one set of strides, unit stride along D (the cache allocates
     them so; a copy otherwise)."""
+    if rows_k.is_contiguous() and rows_v.is_contiguous():   # as the cache allocates them: .contiguous() keeps them
+        return rows_k, rows_v
     if rows_k.stride() != rows_v.stride() or rows_k.stride(3) != 1:
         rows_k, rows_v = rows_k.contiguous(), rows_v.contiguous()
     return rows_k, rows_v

@@ -68,8 +68,8 @@ _NO_ROWS = (None, None)
 
 def _unit_d_stride(*rows: torch.Tensor | None) -> bool:
     """Whether the exact rows given (None: none) have unit stride along D, as the kernel reads them."""
-    for x in rows:
-        if x is not None and x.stride(3) != 1:
+    for x in rows:   # is_contiguous() first: cheaper than stride(3), and a contiguous row (D > 1) has unit stride
+        if x is not None and not x.is_contiguous() and x.stride(3) != 1:
             return False
     return True
 
