@@ -67,8 +67,8 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     q_scale = query_scale(d, scale, softcap)
     if k is not None:
         # The kernel reads fresh k and v in q's dtype (attention.py requires it: no copy then) with one set of
-        # strides (unit stride along D).  Two contiguous tensors of one shape (attention.py checks it) have them,
-        # but for the strides of size-1 dims, which no index reaches (a decode step's T = 1).
+        # strides (unit stride along D).  Two contiguous ones of one shape (attention.py) pass as they are: their
+        # strides can differ only along size-1 dims, which no index reaches, and .contiguous() would keep them.
         if k.dtype != q.dtype or v.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         if not (k.is_contiguous() and v.is_contiguous()):
