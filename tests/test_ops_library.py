@@ -86,7 +86,7 @@ def test_quantize_append_op_leaves_seen_to_its_caller(impl, gen):
                                         layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, impl)
     assert via_op.seen.tolist() == [21, 21]
     via_op.seen += 3
-    run_quantize_append(k, v, eager.layout, None, 4, 3, "corrected", impl)
+    run_quantize_append(k, v, eager.layout, None, eager.codec, impl)
     assert eager.seen.tolist() == [24, 24]
     plain.append(k, v, backend=impl)
     for name in ("k_codes", "k_scales", "v_codes", "v_scales", "seen", "recent_k", "recent_v", "first_k", "first_v"):

@@ -123,8 +123,10 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
             raise ValueError(f"fresh k/v must have Tq={tq} tokens like q, got {k.shape[2]}")
         if k.dtype != q.dtype:
             raise TypeError(f"fresh k/v dtype {k.dtype} differs from q dtype {q.dtype}")
-    # A model's call has no softcap or sinks and a plain positive scale: _check_options would find nothing.
-    if not (scale is None or _is_positive(scale)) or softcap is not None or sinks is not None:
+    # A model's call has no softcap or sinks and a plain positive float scale (_is_positive's first case, inline):
+    # _check_options would find nothing.  Any other scale goes through it.
+    plain_scale = scale is None or type(scale) is float and 0.0 < scale < math.inf
+    if not plain_scale or softcap is not None or sinks is not None:
         _check_options(hq, device, scale, softcap, sinks)
         if (softcap is not None or sinks is not None) and cache.has_key_shift:
             raise ValueError("this cache centers its keys (key transform with a shift), which softcap and sinks "
@@ -149,7 +151,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
                            num_splits, None, impl, layout.exact_recent > 0 or layout.exact_first > 0)
     # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every
     # step, where the lengths held now would be a host read that changes every step.
-    return run_cached_attention(q, layout, k, v, sinks, k_bits, v_bits, None if scale is None else float(scale),
+    return run_cached_attention(q, layout, codec, k, v, sinks, None if scale is None else float(scale),
                                 None if softcap is None else float(softcap), plan, num_splits, impl)
 
 

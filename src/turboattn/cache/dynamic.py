@@ -583,12 +583,8 @@ class QuantizedKVCache:
         n = None if new_lengths is None else self._new_lengths(new_lengths, k.shape[2])
         self._append(k, v, new_lengths, n, backend)
 
-    def _append_validated(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step
-        of the transformers integration validates its new tokens once, not twice."""
-        self._append(k, v, None, None, "auto")
-
-    def _append(self, k: torch.Tensor, v: torch.Tensor, new_lengths, n: list[int] | None, backend: str) -> None:
+    def _append(self, k: torch.Tensor, v: torch.Tensor, new_lengths=None, n: list[int] | None = None,
+                backend: str = "auto") -> None:
         """append's work, its arguments checked; n: new_lengths as host ints (None: all T, new_lengths None)."""
         t = k.shape[2]
         codec = self.codec
@@ -605,11 +601,15 @@ class QuantizedKVCache:
         layout, without_first = self._layout_views()
         if without_first is not None and self._first_rows_full():
             layout = without_first   # every first row is written: the op has none to copy
-        run_quantize_append(k, v, layout, n_dev, codec.k_bits, codec.v_bits, codec.scale_rule, impl)
+        run_quantize_append(k, v, layout, n_dev, codec, impl)
         if seen_host is None:
             self._empty = False
         else:
             self._seen_host = [s + t for s in seen_host] if n is None else list(map(add, seen_host, n))
+
+    # append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step of the
+    # transformers integration validates its new tokens once, not twice.  The same function (one call less per step).
+    _append_validated = _append
 
     def _first_rows_full(self) -> bool:
         """Whether no append can write a first-token row: every sequence of a growing cache holds positions up to

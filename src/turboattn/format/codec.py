@@ -11,7 +11,7 @@ definition, and the fused kernels must reproduce it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from numbers import Integral
 from typing import Literal
 
@@ -228,7 +228,7 @@ class KVCodec:
         """The packed-row facts the kernels take for K or V (bits, planes, row bytes, vector width)."""
         return code_spec(self.head_dim, self.bits(kind))
 
-    @property
+    @cached_property   # once per codec (frozen): every layer of every decode step reads it
     def scale_rule_id(self) -> int:
         """The scale rule as the quantize kernel's constant (its index in SCALE_RULES)."""
         return SCALE_RULES.index(self.scale_rule)

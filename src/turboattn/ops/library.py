@@ -4,10 +4,10 @@ body that runs the implementation the caller chose (backend.choose) on plain ten
 Arguments are flat tensors and scalars (a cache's CacheLayout spelled out, a codec as its bits),
 so that torch.compile and CUDA graphs see the ops as opaque calls with known outputs.  The public
 functions (attention.py, cache/) validate, then call `run(op, ...)` (or `run_cached_attention` /
-`run_quantize_append` with a cache's layout): the torch op while torch.compile traces, and in eager
+`run_quantize_append` with a cache's layout and codec): the torch op while torch.compile traces, and in eager
 mode the op's body directly, because the dispatcher's Python round trip costs ~25 µs per call, as
-much as a whole decode kernel at small batch.  The eager path takes the layout as it is, not spelled
-out and rebuilt: a decode step calls both ops in every layer, and its host time is the user's.
+much as a whole decode kernel at small batch.  The eager path takes the layout and the cache's codec as they
+are, not spelled out and rebuilt: a decode step calls both ops in every layer, and its host time is the user's.
 
 Every body runs under a device guard for its tensors' GPU (`_on`, guard.py: Triton launches on torch's
 current device), except the CUDA implementations' (`SELF_GUARDED`): the extension guards itself
@@ -66,14 +66,14 @@ def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      nonfinite=nonfinite, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
                      exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first)
-    _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl, advance=False)
+    _append_to(k, v, layout, new_lengths, _codec(k.shape[-1], k_bits, v_bits, scale_rule, k_scales.dtype), impl,
+               advance=False)
 
 
-def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int, v_bits: int,
-               scale_rule: str, impl: str, advance: bool) -> None:
+def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, codec: KVCodec, impl: str,
+               advance: bool) -> None:
     """quantize_append's body on a layout; advance: the implementation also advances seen (the CUDA kernel in the
     same launch)."""
-    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, layout.k_scales.dtype)
     body = backend.load("quantize_append", impl)
     if impl == SELF_GUARDED:
         body(k, v, layout, codec, new_lengths, advance)
@@ -82,22 +82,22 @@ def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | 
         body(k, v, layout, codec, new_lengths, advance)
 
 
-def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, k_bits: int,
-                        v_bits: int, scale_rule: str, impl: str) -> None:
-    """Append k, v to a cache's layout: codes, exact rows, and seen advanced by the real tokens.  Eagerly one call
-    (one launch on the CUDA path).  Under torch.compile the op stores and a traced in-place add advances seen: an
-    op that mutated seen itself was miscompiled by inductor (torch 2.11, CUDA), which recomputed a value read from
-    seen before the op (transformers' past_seen_tokens, inside a later layer's fused RoPE) from the advanced
-    tensor; an aten add is a mutation inductor orders correctly."""
+def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, codec: KVCodec,
+                        impl: str) -> None:
+    """Append k, v to a cache's layout, coded with the cache's codec: codes, exact rows, and seen advanced by the
+    real tokens.  Eagerly one call (one launch on the CUDA path).  Under torch.compile the op stores and a traced
+    in-place add advances seen: an op that mutated seen itself was miscompiled by inductor (torch 2.11, CUDA),
+    which recomputed a value read from seen before the op (transformers' past_seen_tokens, inside a later layer's
+    fused RoPE) from the advanced tensor; an aten add is a mutation inductor orders correctly."""
     if torch.compiler.is_compiling():
         torch.ops.turboattn.quantize_append(
             k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-            new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, k_bits, v_bits, scale_rule,
-            layout.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent,
-            layout.first_k, layout.first_v, layout.exact_first, impl)
+            new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, codec.k_bits, codec.v_bits,
+            codec.scale_rule, layout.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v,
+            layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, impl)
         advance_lengths(layout, new_lengths, k.shape[2])
     else:
-        _append_to(k, v, layout, new_lengths, k_bits, v_bits, scale_rule, impl, advance=True)
+        _append_to(k, v, layout, new_lengths, codec, impl, advance=True)
 
 
 quantize_append = torch.library.custom_op(
@@ -134,7 +134,9 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
         decode_plan = DecodePlan.from_list(plan)
     else:
         decode_plan = _capacity_plan(q, layout, k_bits, v_bits, plan[0] if plan else None, impl)
-    return _attend(q, layout, k, v, sinks, k_bits, v_bits, scale, softcap, decode_plan, impl)
+    # The scale rule does not matter to decoding: any codec of these bits and scale dtype reads the cache.
+    codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", k_scales.dtype)
+    return _attend(q, layout, codec, k, v, sinks, scale, softcap, decode_plan, impl)
 
 
 def _capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num_splits: int | None,
@@ -146,11 +148,10 @@ def _capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num
                        kernel=impl, exact_rows=layout.has_exact_rows)
 
 
-def _attend(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, k_bits: int,
-            v_bits: int, scale: float | None, softcap: float | None, plan: DecodePlan, impl: str) -> Tensor:
-    """cached_attention's body on a layout and a plan."""
-    # Positional arguments throughout: a keyword costs the lru_cache key and the call a dict each.
-    codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", layout.k_scales.dtype)
+def _attend(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tensor | None, v: Tensor | None,
+            sinks: Tensor | None, scale: float | None, softcap: float | None, plan: DecodePlan, impl: str) -> Tensor:
+    """cached_attention's body on a layout, its codec and a plan."""
+    # Positional arguments throughout: a keyword costs the call a dict.
     body = backend.load("cached_attention", impl)
     if impl == SELF_GUARDED:
         return body(q, layout, codec, k, v, scale, softcap, sinks, plan)
@@ -158,11 +159,13 @@ def _attend(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, 
         return body(q, layout, codec, k, v, scale, softcap, sinks, plan)
 
 
-def run_cached_attention(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
-                         k_bits: int, v_bits: int, scale: float | None, softcap: float | None,
-                         plan: DecodePlan | None, num_splits: int | None, impl: str) -> Tensor:
-    """The cached_attention op on a cache's layout (its fields spelled out under torch.compile).  plan None: the
-    op plans for the capacity with num_splits (None: chosen), as a static cache wants; otherwise plan is used."""
+def run_cached_attention(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tensor | None, v: Tensor | None,
+                         sinks: Tensor | None, scale: float | None, softcap: float | None, plan: DecodePlan | None,
+                         num_splits: int | None, impl: str) -> Tensor:
+    """The cached_attention op on a cache's layout and codec (the fields spelled out under torch.compile).  plan
+    None: the op plans for the capacity with num_splits (None: chosen), as a static cache wants; otherwise plan is
+    used."""
+    k_bits, v_bits = codec.k_bits, codec.v_bits
     if torch.compiler.is_compiling():
         plan_list = plan.to_list() if plan is not None else [] if num_splits is None else [num_splits]
         return torch.ops.turboattn.cached_attention(
@@ -173,7 +176,7 @@ def run_cached_attention(q: Tensor, layout: CacheLayout, k: Tensor | None, v: Te
             layout.exact_first, impl)
     if plan is None:
         plan = _capacity_plan(q, layout, k_bits, v_bits, num_splits, impl)
-    return _attend(q, layout, k, v, sinks, k_bits, v_bits, scale, softcap, plan, impl)
+    return _attend(q, layout, codec, k, v, sinks, scale, softcap, plan, impl)
 
 
 cached_attention = torch.library.custom_op("turboattn::cached_attention", _cached_attention,

@@ -51,7 +51,8 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     hkv = k_codes.shape[1]
     rows = tq * (hq // hkv)
     dev = q.device
-    ext = extension() if _serves(codec, rows, dev) else None
+    serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, rows) and capable(dev)   # _serves, inline
+    ext = extension() if serves else None
     exact_recent, exact_first = layout.exact_recent, layout.exact_first
     exact = exact_recent > 0 or exact_first > 0
     if ext is not None and plan is None:
@@ -61,17 +62,19 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     if ext is None or num_parts > CUDA_MAX_PARTS:
         with device_guard(dev):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
             return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
-    if q.stride(3) != 1:
+    if not q.is_contiguous() and q.stride(3) != 1:   # a contiguous q (D > 1) has unit stride along D
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)
     if k is not None:
         # The kernel reads fresh k and v in q's dtype (attention.py requires it: no copy then) with one set of
-        # strides (unit stride along D).
+        # strides (unit stride along D).  Two contiguous ones of one shape (attention.py) pass as they are: their
+        # strides can differ only along size-1 dims, which no index reaches, and .contiguous() would keep them.
         if k.dtype != q.dtype or v.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        strides = k.stride()
-        if strides != v.stride() or strides[3] != 1:
-            k, v = k.contiguous(), v.contiguous()
+        if not (k.is_contiguous() and v.is_contiguous()):
+            strides = k.stride()
+            if strides != v.stride() or strides[3] != 1:
+                k, v = k.contiguous(), v.contiguous()
     # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
     transform = layout.key_gain is not None
     key_shift = layout.key_shift if (k is not None or exact) and transform and layout.key_shifted else None
@@ -112,6 +115,8 @@ def _tables(head_dim: int, k_bits: int, v_bits: int, device: torch.device) -> tu
 def _row_pair(rows_k: torch.Tensor, rows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An exact-row pair as the kernel reads it: one set of strides, unit stride along D (the cache allocates
     them so; a copy otherwise)."""
+    if rows_k.is_contiguous() and rows_v.is_contiguous():   # as the cache allocates them: .contiguous() keeps them
+        return rows_k, rows_v
     if rows_k.stride() != rows_v.stride() or rows_k.stride(3) != 1:
         rows_k, rows_v = rows_k.contiguous(), rows_v.contiguous()
     return rows_k, rows_v

@@ -68,8 +68,8 @@ _NO_ROWS = (None, None)
 
 def _unit_d_stride(*rows: torch.Tensor | None) -> bool:
     """Whether the exact rows given (None: none) have unit stride along D, as the kernel reads them."""
-    for x in rows:
-        if x is not None and x.stride(3) != 1:
+    for x in rows:   # is_contiguous() first: cheaper than stride(3), and a contiguous row (D > 1) has unit stride
+        if x is not None and not x.is_contiguous() and x.stride(3) != 1:
             return False
     return True
 
@@ -79,12 +79,13 @@ def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, 
     """quantize_append_naive's contract in one launch (codes, exact rows, lengths) when the kernel serves the call;
     the Triton path otherwise."""
     d = codec.head_dim
-    ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(k.device) else None
+    dev = k.device
+    ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(dev) else None
     exact_recent, exact_first = layout.exact_recent, layout.exact_first
     recent = (layout.recent_k, layout.recent_v) if exact_recent else _NO_ROWS
     first = (layout.first_k, layout.first_v) if exact_first else _NO_ROWS
     if ext is None or ((exact_recent or exact_first) and not _unit_d_stride(*recent, *first)):
-        with device_guard(k.device):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
+        with device_guard(dev):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
             quantize_append_triton(k, v, layout, codec, new_lengths, advance)
         return
     if k.dtype != v.dtype:
@@ -93,10 +94,10 @@ def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, 
     key_gain = layout.key_gain   # None without a key transform
     # The arrival counter of the lengths' advance (None: the kernel leaves seen alone).
     counters = None if not advance else layout.merge_counters if layout.merge_counters is not None else \
-        arrival_counters(k.device, 1)
+        arrival_counters(dev, 1)
     k_bits, v_bits = codec.k_bits, codec.v_bits
     ext.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
-                        *_tables(k_bits, v_bits, d, k.device),
+                        *_tables(k_bits, v_bits, d, dev),
                         layout.key_shift if key_gain is not None else None, key_gain,
                         layout.seen, layout.starts, counters, new_lengths, layout.nonfinite, *recent, *first,
                         k_bits, v_bits, codec.scale_rule_id, layout.sliding_window is not None)
