@@ -94,3 +94,39 @@ def test_a_folder_holding_a_tree_is_a_side_too(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="holds no turboattn tree"):
         ab.other_side(str(tmp_path / "empty"))
+
+
+def test_cache_options_reach_each_side_only_when_set(tmp_path, monkeypatch):
+    """--scale-dtype / --exact-first / --exact-recent go to both sides' scripts; at their defaults nothing is added,
+    so a side older than an option still runs."""
+    seen = []
+
+    def fake_side(side, args):
+        seen.append(args[args.index("--outputs") + 2:])
+        torch.save({"1,8,2,64,128/4,3": torch.ones(1)}, Path(args[args.index("--outputs") + 1]))
+        return [{"shape": "1,8,2,64,128", "bits": "4,3", "us": 1.0}]
+
+    monkeypatch.setattr(ab, "archived_side", lambda root, commit: ab.Side("other", tmp_path, tmp_path))
+    monkeypatch.setattr(ab, "build_sides", lambda sides: None)
+    monkeypatch.setattr(ab, "require_cuda", lambda: None)
+    monkeypatch.setattr(ab, "environment", lambda: {"gpu": "a GPU"})
+    monkeypatch.setattr(ab, "run_side", fake_side)
+    base = ["bench", "ab", "--against", "HEAD", "--shapes", "1,8,2,64,128", "--bits", "k4v3", "--rounds", "1"]
+    assert cli.main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert cli.main(base + ["--scale-dtype", "bfloat16", "--exact-first", "4", "--exact-recent", "64",
+                            "--out", str(tmp_path / "b")]) == 0
+    options = ["--scale-dtype", "bfloat16", "--exact-first", "4", "--exact-recent", "64"]
+    assert seen == [[], [], options, options]
+
+
+def test_the_side_script_builds_only_the_options_set():
+    """ab_side.py turns the options into KVCodec(scale_dtype=) and QuantizedKVCache(exact_first=, exact_recent=)."""
+    from argparse import Namespace
+
+    from turboattn.cli.bench import ab_side
+    plain = Namespace(scale_dtype="float32", exact_first=0, exact_recent=0)
+    assert ab_side.options_of(plain) == ({}, {})
+    preset = Namespace(scale_dtype="bfloat16", exact_first=4, exact_recent=64)
+    assert ab_side.options_of(preset) == ({"scale_dtype": torch.bfloat16}, {"exact_first": 4, "exact_recent": 64})
+    assert ab_side.options_of(Namespace(scale_dtype="float32", exact_first=0, exact_recent=8)) == (
+        {}, {"exact_recent": 8})

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..args import non_negative_int
 from .args import add_out, positive_int, presets, shape
 from .common import environment, print_table, require_cuda, write_results
 from .decode import SHAPES
@@ -44,7 +45,25 @@ def add_arguments(parser) -> None:
                         help="decode shapes (default: the six of `bench decode`)")
     parser.add_argument("--bits", type=presets, default=presets("k4v4"), help="comma list (default k4v4)")
     parser.add_argument("--rounds", type=positive_int, default=2, help="times each side runs, alternating")
+    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the caches' scale dtype (KVCodec(scale_dtype=))")
+    parser.add_argument("--exact-first", type=non_negative_int, default=0,
+                        help="QuantizedKVCache(exact_first=): the first tokens kept exact")
+    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
+                        help="QuantizedKVCache(exact_recent=): the newest tokens kept exact")
     add_out(parser)
+
+
+def cache_arguments(args) -> list[str]:
+    """ab_side.py's cache options for `args` (none when every one is at its default, so older trees' sides run)."""
+    out = []
+    if args.scale_dtype != "float32":
+        out += ["--scale-dtype", args.scale_dtype]
+    if args.exact_first:
+        out += ["--exact-first", str(args.exact_first)]
+    if args.exact_recent:
+        out += ["--exact-recent", str(args.exact_recent)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -168,7 +187,8 @@ def run(args) -> int:
         outputs = [Path(tmp) / f"side{i}.pt" for i in range(len(sides))]
         for rnd in range(args.rounds):
             for side, out in zip(sides, outputs):
-                for line in run_side(side, ["--shapes", *shapes, "--bits", *bits, "--outputs", str(out)]):
+                for line in run_side(side, ["--shapes", *shapes, "--bits", *bits, "--outputs", str(out),
+                                            *cache_arguments(args)]):
                     records.append({**line, "side": side.name, "round": rnd})
         import torch
         first, second = (torch.load(p) for p in outputs)

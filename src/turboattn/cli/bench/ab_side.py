@@ -7,6 +7,7 @@ the same caches and queries; each call's output is saved for the parent to compa
 on stdout (other lines are the package's own messages).
 
   python ab_side.py --shapes 8,32,8,128,32768 --bits 4,4 --outputs side.pt
+  python ab_side.py --shapes 8,32,8,128,32768 --bits 4,3 --scale-dtype bfloat16 --exact-first 4 --exact-recent 64
   python ab_side.py --build-only
 """
 
@@ -50,8 +51,8 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, -(-2 * l2 // max(nbytes, 1))))
 
 
-def filled_cache(ta, codec, b: int, hkv: int, length: int, generator: torch.Generator):
-    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=length, device="cuda")
+def filled_cache(ta, codec, b: int, hkv: int, length: int, generator: torch.Generator, **options):
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=length, device="cuda", **options)
     for t0 in range(0, length, 8192):
         t = min(8192, length - t0)
         k = torch.randn(b, hkv, t, codec.head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -60,13 +61,27 @@ def filled_cache(ta, codec, b: int, hkv: int, length: int, generator: torch.Gene
     return cache
 
 
+def options_of(args) -> tuple[dict, dict]:
+    """(KVCodec options, QuantizedKVCache options) of the command line: only those set, so that an older tree,
+    whose API may lack one, still runs without it."""
+    codec = {} if args.scale_dtype == "float32" else {"scale_dtype": getattr(torch, args.scale_dtype)}
+    cache = {name: value for name, value in (("exact_first", args.exact_first), ("exact_recent", args.exact_recent))
+             if value}
+    return codec, cache
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="*", default=[], help="B,Hq,Hkv,D,L")
     parser.add_argument("--bits", nargs="*", default=[], help="K,V bits, e.g. 4,4")
     parser.add_argument("--outputs", help="file for the calls' outputs (torch.save)")
     parser.add_argument("--build-only", action="store_true", help="build (or load) the CUDA kernels, time nothing")
+    # Cache options, passed only when set (a tree older than an option still times plain caches).
+    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--exact-first", type=int, default=0)
+    parser.add_argument("--exact-recent", type=int, default=0)
     args = parser.parse_args(argv)
+    codec_options, cache_options = options_of(args)
     import turboattn as ta
     generator = torch.Generator(device="cuda")
     if args.build_only:   # a small call builds the extension on first use
@@ -81,9 +96,9 @@ def main(argv=None) -> int:
         b, hq, hkv, d, length = (int(x) for x in shape.split(","))
         for bits in args.bits:
             k_bits, v_bits = (int(x) for x in bits.split(","))
-            codec = ta.KVCodec(d, k_bits, v_bits)
+            codec = ta.KVCodec(d, k_bits, v_bits, **codec_options)
             generator.manual_seed(0)
-            caches = [filled_cache(ta, codec, b, hkv, length, generator)
+            caches = [filled_cache(ta, codec, b, hkv, length, generator, **cache_options)
                       for _ in range(copies_for(b * hkv * length * codec.bytes_per_token()))]
             q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=generator)
             key = f"{shape}/{bits}"
