@@ -12,11 +12,8 @@ the extension's launches do without: they guard themselves.  The extension is bu
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
@@ -88,7 +85,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     window = layout.sliding_window
     # The binding allocates the parts' scratch and the output ([B, Hq, Tq, D] in q's dtype) and returns the output.
     return ext.decode(q, k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-                      layout.key_gain_inv if transform else None, *_tables(d, codec.k_bits, codec.v_bits, dev),
+                      layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits, codec.v_bits,
                       *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0), window or 0,
                       plan.num_splits, num_parts, window is not None, k is not None, CUDA_CHUNK_ALIGN, counters, None,
                       sinks, k, v, key_shift, *recent, *first, cuda_merge_group(num_parts, rows, d))
@@ -102,14 +99,6 @@ def part_scratch(q: torch.Tensor, num_kv_heads: int, num_parts: int) -> tuple[No
 
 
 _NO_ROWS = (None, None)
-
-
-@lru_cache(maxsize=None)
-def _tables(head_dim: int, k_bits: int, v_bits: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The kernel's read-only inputs: the rotation's signs, and the K and V centroids (float32), whose sizes give the
-    binding the bit widths (the kernel builds its tables from the same levels, compiled in); one lookup per call."""
-    return (device_signs(head_dim, device), device_centroids(k_bits, device, torch.float32),
-            device_centroids(v_bits, device, torch.float32))
 
 
 def _row_pair(rows_k: torch.Tensor, rows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

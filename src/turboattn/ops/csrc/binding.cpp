@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include <cmath>
 
 #include "decode.h"
 #include "quantize.h"
@@ -23,7 +22,7 @@ int dtype_code(const torch::Tensor& t) {
 torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
                      const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& seen,
                      const torch::Tensor& starts, const c10::optional<torch::Tensor>& gain_inv,
-                     const torch::Tensor& signs, const torch::Tensor& k_centroids, const torch::Tensor& v_centroids,
+                     const torch::Tensor& signs, int64_t k_bits_arg, int64_t v_bits_arg,
                      const c10::optional<torch::Tensor>& o_part, const c10::optional<torch::Tensor>& lse_part,
                      double q_scale, double softcap, int64_t window, int64_t num_splits, int64_t num_parts, bool ring,
                      bool has_fresh, int64_t chunk_align, const c10::optional<torch::Tensor>& counters,
@@ -109,10 +108,9 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
   p.merge_group = merge_group;
-  // The codebooks give the bit widths (2^bits centroids each); the kernel builds its tables from the same levels,
-  // compiled in (csrc/codebooks.h).
-  const int k_bits = static_cast<int>(std::log2(k_centroids.numel()));
-  const int v_bits = static_cast<int>(std::log2(v_centroids.numel()));
+  // The bit widths pick the kernel; it builds its code tables from the codebooks compiled in (csrc/codebooks.h).
+  const int k_bits = static_cast<int>(k_bits_arg);
+  const int v_bits = static_cast<int>(v_bits_arg);
   const c10::cuda::CUDAGuard guard(q.device());
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   const int batch_kv_heads = k_codes.size(0) * k_codes.size(1);
