@@ -134,22 +134,39 @@ def _assert_same_exact_rows(fused, ref):
             assert torch.equal(getattr(fused, name)[:, :, :rows], getattr(ref, name)[:, :, :rows]), name
 
 
+def _misalign_exact_rows(cache):
+    """The cache's exact rows as views whose rows are not 16-byte aligned (row stride D + 1): the kernel's element
+    loop instead of its 16-byte copies."""
+    for name in EXACT_ROWS:
+        rows = getattr(cache, name)
+        if rows is not None:
+            wide = torch.zeros(*rows.shape[:-1], rows.shape[-1] + 1, dtype=rows.dtype, device=rows.device)
+            setattr(cache, name, wide[..., 1:])
+    cache._tensors_changed()
+
+
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("exact_dtype", [torch.bfloat16, torch.float32])
-def test_exact_rows_and_lengths_in_the_kernel(static, exact_dtype, gen):
+@pytest.mark.parametrize("exact_dtype, in_dtype, aligned", [
+    (torch.bfloat16, torch.float32, True), (torch.float32, torch.float32, True), (torch.bfloat16, torch.bfloat16, True),
+    (torch.float16, torch.float16, True), (torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.float16, True),
+    (torch.float16, torch.float32, True), (torch.bfloat16, torch.bfloat16, False), (torch.float32, torch.float16, False)])
+def test_exact_rows_and_lengths_in_the_kernel(static, exact_dtype, in_dtype, aligned, gen):
     """The kernel writes the exact recent window and first rows (raw, rounded to the exact dtype) and advances seen:
     ragged lengths (a sequence with none), left padding, chunks longer than the window, decode steps, and a static
-    cache that runs out of room (its exact rows still take the tokens), on poisoned rows."""
+    cache that runs out of room (its exact rows still take the tokens), on poisoned rows; every input and exact
+    dtype pair the copies convert between, and exact rows that are views with unaligned rows."""
     codec = ta.KVCodec(128, 4, 3, scale_dtype=torch.bfloat16)
     fused, ref = _pair(codec, 3, 2, gen, capacity=60 if static else 90, static=static, exact_recent=8,
                        exact_first=4, exact_dtype=exact_dtype)
+    if not aligned:
+        _misalign_exact_rows(fused)
     for cache in (fused, ref):
         cache.set_left_padding([0, 3, 7])
     _poison_exact_rows(fused, ref, gen)
     inputs = []
     for t, lengths in ((5, [5, 2, 0]), (30, None), (1, None), (20, [20, 9, 3]), (1, None), (16, None), (1, None)):
-        k = torch.randn(3, 2, t, 128, generator=gen).cuda().float()
-        v = torch.randn(3, 2, t, 128, generator=gen).cuda().float()
+        k = torch.randn(3, 2, t, 128, generator=gen).cuda().to(in_dtype)
+        v = torch.randn(3, 2, t, 128, generator=gen).cuda().to(in_dtype)
         _append(fused, ref, k, v, new_lengths=lengths)
         inputs.append((k, v))
         assert torch.equal(fused.seen, ref.seen)
