@@ -175,6 +175,29 @@ def test_exact_rows_and_lengths_in_the_kernel(static, exact_dtype, in_dtype, ali
     assert_same(fused, ref, inputs)
 
 
+def test_each_sequence_advances_on_its_own_counter(gen):
+    """The last CTA of each sequence advances that sequence's length: ragged lengths (one sequence with none) over
+    a cache's merge counters and over the shared counters a layout without them takes (arrival_counters, one per
+    sequence), each left at zero for the next launch."""
+    import dataclasses
+
+    from turboattn.ops.cuda_extension import arrival_counters
+    from turboattn.ops.quantize.cuda import quantize_append_cuda
+    codec = ta.KVCodec(128, 4, 4)
+    lengths = [3, 0, 5, 1, 2]
+    for own_counters in (True, False):
+        fused, ref = _pair(codec, 5, 3, gen, capacity=64)
+        for step in range(3):
+            k = torch.randn(5, 3, 5, 128, generator=gen).cuda()
+            v = torch.randn(5, 3, 5, 128, generator=gen).cuda()
+            layout = fused.layout if own_counters else dataclasses.replace(fused.layout, merge_counters=None)
+            quantize_append_cuda(k, v, layout, codec, torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+            ref.append(k, v, new_lengths=lengths, backend="torch")
+            assert fused.seen.tolist() == ref.seen.tolist() == [(step + 1) * n for n in lengths]
+        counters = fused.merge_counters if own_counters else arrival_counters(torch.device("cuda"), 5)
+        assert not counters.any()
+
+
 @pytest.mark.parametrize("exact", [False, True], ids=["codes", "exact-rows"])
 @pytest.mark.parametrize("static", [False, True])
 def test_a_decode_append_is_one_launch(exact, static):

@@ -189,6 +189,12 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.key_gain = key_gain.has_value() ? key_gain->data_ptr<float>() : nullptr;
   p.seen = seen.data_ptr<int>();
   p.arrivals = arrivals.has_value() ? arrivals->data_ptr<int>() : nullptr;  // none: seen is the caller's to advance
+  if (arrivals.has_value()) {
+    // A cache's merge counters [B, Hkv, 17]: sequence b's are its first; a flat buffer: one per sequence.
+    p.arrival_stride = arrivals->dim() == 3 ? static_cast<int>(arrivals->size(1) * arrivals->size(2)) : 1;
+    TORCH_CHECK((k.size(0) - 1) * p.arrival_stride < arrivals->numel(),
+                "turboattn quantize_append: the arrival counters hold fewer than one per sequence");
+  }
   p.new_lengths = new_lengths.has_value() ? new_lengths->data_ptr<int>() : nullptr;
   p.nonfinite = nonfinite.has_value() ? nonfinite->data_ptr<int>() : nullptr;
   p.starts = starts.data_ptr<int>();

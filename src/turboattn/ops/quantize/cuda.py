@@ -92,9 +92,9 @@ def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, 
         v = v.to(k.dtype)
     k, v = _aligned(k, v)
     key_gain = layout.key_gain   # None without a key transform
-    # The arrival counter of the lengths' advance (None: the kernel leaves seen alone).
+    # The arrival counters of the lengths' advance, one per sequence (None: the kernel leaves seen alone).
     counters = None if not advance else layout.merge_counters if layout.merge_counters is not None else \
-        arrival_counters(dev, 1)
+        arrival_counters(dev, k.shape[0])
     k_bits, v_bits = codec.k_bits, codec.v_bits
     ext.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
                         *_tables(k_bits, v_bits, d, dev),

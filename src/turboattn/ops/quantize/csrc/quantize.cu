@@ -469,15 +469,19 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const Q
   }
   if (p.exact_recent > 0 || p.exact_first > 0)
     copy_exact_rows<D, DTYPE>(p, is_key, b, bh % p.num_kv_heads, n_new, slot0, start);
-  // The last CTA to arrive advances the lengths.  Every thread read them (slot0) at the start and used the value
-  // before this barrier, so no read can still be pending when the count completes: no fence is needed, and the
-  // updates are fire-and-forget reductions (nothing in this launch reads them back).
+  // The last CTA of this sequence to arrive advances its length.  Every thread read it (slot0) at the start and used
+  // the value before this barrier, so no read can still be pending when the count completes: no fence is needed, and
+  // the update is a fire-and-forget reduction (nothing in this launch reads it back).  One counter per sequence: a
+  // single one took every CTA's atomic at one address (512 at B = 32 with 8 KV heads).
   if (p.arrivals == nullptr) return;  // the caller advances the lengths
   __syncthreads();
-  if (threadIdx.x == 0 &&
-      atomicAdd(p.arrivals, 1) == static_cast<int>(gridDim.x * gridDim.y * gridDim.z) - 1) {
-    for (int i = 0; i < p.batch; ++i) atomicAdd(p.seen + i, p.new_lengths ? p.new_lengths[i] : p.tokens);
-    *p.arrivals = 0;  // ready for the next launch (and the next replay of a captured graph)
+  if (threadIdx.x == 0) {
+    int* const arrivals = p.arrivals + b * p.arrival_stride;
+    const int ctas = static_cast<int>(gridDim.x) * p.num_kv_heads * 2;  // every token block, KV head and side
+    if (atomicAdd(arrivals, 1) == ctas - 1) {
+      atomicAdd(p.seen + b, n_new);
+      *arrivals = 0;  // ready for the next launch (and the next replay of a captured graph)
+    }
   }
 }
 

@@ -31,10 +31,11 @@ struct QuantizeParams {
   const float* key_shift;  // [B, Hkv, D] float32 or nullptr: keys are coded as (k - shift) * gain
   const float* key_gain;
   // [B]: token 0 of sequence b is position seen[b], in slot seen[b] (modulo the capacity for a ring).  Read by every
-  // CTA as it starts; the last CTA to finish advances it by the real tokens (arrivals: a zeroed counter, left zero;
-  // nullptr: the caller advances it).
+  // CTA of sequence b as it starts; the last of them to finish advances it by the real tokens (arrivals +
+  // b * arrival_stride: sequence b's counter, zeroed and left zero; nullptr: the caller advances it).
   int* seen;
   int* arrivals;
+  int arrival_stride;
   const int* new_lengths;  // [B] real tokens per sequence, or nullptr (all T)
   int* nonfinite;          // [B] vectors stored with a NaN or infinity, or nullptr
   // Exact rows (format/layout.py), written in the model's domain (before the key transform) in exact_dtype
