@@ -147,9 +147,11 @@ def _misalign_exact_rows(cache):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("exact_dtype, in_dtype, aligned", [
-    (torch.bfloat16, torch.float32, True), (torch.float32, torch.float32, True), (torch.bfloat16, torch.bfloat16, True),
-    (torch.float16, torch.float16, True), (torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.float16, True),
-    (torch.float16, torch.float32, True), (torch.bfloat16, torch.bfloat16, False), (torch.float32, torch.float16, False)])
+    (torch.bfloat16, torch.float32, True), (torch.float32, torch.float32, True),
+    (torch.bfloat16, torch.bfloat16, True), (torch.float16, torch.float16, True),
+    (torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.float16, True),
+    (torch.float16, torch.float32, True), (torch.bfloat16, torch.bfloat16, False),
+    (torch.float32, torch.float16, False)])
 def test_exact_rows_and_lengths_in_the_kernel(static, exact_dtype, in_dtype, aligned, gen):
     """The kernel writes the exact recent window and first rows (raw, rounded to the exact dtype) and advances seen:
     ragged lengths (a sequence with none), left padding, chunks longer than the window, decode steps, and a static

@@ -79,8 +79,8 @@ def _counter_buffer(device: torch.device, stream: int, size: int) -> torch.Tenso
 def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for a kernel whose last CTA finishes the call (the decode merge: one per
     (sequence, KV head); quantize-append's length update: one per sequence), for calls on a layout that brings none
-    (a cache brings its merge_counters).  One buffer per device and stream (kernels in flight on two streams must not share
-    them); every kernel leaves its counters at zero again, so kernels on one stream can share a buffer."""
+    (a cache brings its merge_counters).  One buffer per device and stream (kernels in flight on two streams must
+    not share them); every kernel leaves its counters at zero again, so kernels on one stream can share a buffer."""
     stream = torch.cuda.current_stream(device).cuda_stream
     size = 1 << max(needed - 1, 0).bit_length()  # powers of two: few buffers as batches vary
     return _counter_buffer(device, stream, max(size, 64))

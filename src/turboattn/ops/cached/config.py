@@ -61,8 +61,9 @@ CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 
 # (csrc/decode.h's COUNTERS_PER_HEAD; a GPU test compares them).  The bound comes from a sweep over 14 shapes
 # (H100, k4v4, benchmarks/decode_one_level_merge_sweep_h100.json): parts of 64K floats merge 12-20% faster in two
 # levels (one sequence x 4 KV heads x 8 rows x 64 parts at D = 128: 18.1 against 20.9 us; 2 heads x 4 rows x 128
-# parts: 16.7 against 19.2; D = 256, 4 rows x 64 parts: 22.7 against 27.1), parts of 32K floats as fast or faster
-# in one (8 rows x 32 parts: 15.0 against 15.8; 2 rows x 128 parts: 18.2 against 19.4 at the 8K bound).
+# parts: 16.7 against 19.2; D = 256, 4 rows x 64 parts: 22.7 against 27.1), parts of 32K floats within 1 us either
+# way (8 rows x 32 parts: 15.0 in one level against 15.8 in two; 4 rows x 64 parts: 19.8 against 19.6), parts of
+# 16K floats or fewer as fast or faster in one (up to 1.4 us).
 CUDA_COUNTERS_PER_HEAD = 17
 CUDA_ONE_LEVEL_MERGE = 32 * 1024
 

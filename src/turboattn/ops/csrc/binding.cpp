@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-
 #include "decode.h"
 #include "quantize.h"
 
