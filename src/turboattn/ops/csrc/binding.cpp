@@ -1,6 +1,6 @@
 // Python binding of the CUDA kernels (the decode kernel, ops/cached/csrc; quantize-append, ops/quantize/csrc):
-// checks nothing (ops/cached/cuda.py and ops/quantize/cuda.py validated the call), fills the parameter blocks from
-// tensors and launches on the current stream.
+// checks nothing the wrappers check (ops/cached/cuda.py and ops/quantize/cuda.py validated the call), fills the
+// parameter blocks from tensors and launches on the current stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -215,7 +215,6 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.k_bits = static_cast<int>(k_bits);
   p.v_bits = static_cast<int>(v_bits);
   p.rule = static_cast<int>(rule);
-  p.batch = k.size(0);
   p.tokens = k.size(2);
   p.capacity = k_codes.size(2);
   p.num_kv_heads = k_codes.size(1);

@@ -51,7 +51,7 @@ struct QuantizeParams {
   const int* starts;  // [B]
   int exact_dtype;
   int k_bits, v_bits, rule;  // rule: 0 rms, 1 corrected, 2 lsq (format/codec.py SCALE_RULES)
-  int batch, tokens, capacity, num_kv_heads, ring;
+  int tokens, capacity, num_kv_heads, ring;
 };
 
 constexpr int MAX_GRID = 1024;  // cells of the largest grid (8-bit codes)
