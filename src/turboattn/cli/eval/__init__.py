@@ -146,6 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="JSON", type=Path, default=None,
                         help="print the QUALITY.md tables of an existing results JSON, and draw its plot beside it "
                              "(an existing plot only with --overwrite); run nothing")
+    parser.add_argument("--plot", metavar="JSON", type=Path, default=None,
+                        help="draw the perplexity-vs-bits plot of an existing results JSON beside it (JSON's name "
+                             "with .png; an existing plot only with --overwrite): turboattn's methods of --key-fit "
+                             "and --modes and every peer, bits counted for a bf16 model; run nothing")
 
 
 def _resolve_presets(spec, head_dim: int) -> list[str]:
@@ -160,21 +164,31 @@ def _resolve_presets(spec, head_dim: int) -> list[str]:
     return out
 
 
-def _markdown(args) -> int:
+def _saved_results(path: Path) -> dict:
     try:
-        saved = json.loads(args.markdown.read_text())
+        saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise CLIError(f"{args.markdown} is not JSON ({e})") from None
+        raise CLIError(f"{path} is not JSON ({e})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("results"), dict):
-        raise CLIError(f"{args.markdown} is not a `turboattn eval` results file (no 'results' table)")
-    print(markdown_tables(saved))
-    png = args.markdown.with_suffix(".png")
-    if args.no_plot:
-        pass
-    elif png.exists() and not args.overwrite:
+        raise CLIError(f"{path} is not a `turboattn eval` results file (no 'results' table)")
+    return saved
+
+
+def _plot_beside(args, saved: dict, path: Path) -> None:
+    """Draw the plot of `saved` beside `path`, keeping an existing plot unless --overwrite."""
+    png = path.with_suffix(".png")
+    if png.exists() and not args.overwrite:
         print(f"(kept {png}; --overwrite redraws it)", file=sys.stderr)
     else:
-        plot(saved, png)
+        plot(saved, png, fits=args.key_fit, modes=args.modes)
+        print(f"wrote {png}", file=sys.stderr)
+
+
+def _markdown(args) -> int:
+    saved = _saved_results(args.markdown)
+    print(markdown_tables(saved))
+    if not args.no_plot:
+        _plot_beside(args, saved, args.markdown)
     return 0
 
 
@@ -206,8 +220,13 @@ def run_eval(args) -> int:
 
     from ..models import load_model
 
+    if args.markdown and args.plot:
+        raise CLIError("--markdown draws the plot too: give one of --markdown, --plot")
     if args.markdown:
         return _markdown(args)
+    if args.plot:
+        _plot_beside(args, _saved_results(args.plot), args.plot)
+        return 0
     # Everything the arguments decide is checked before the model loads.
     out = _out_path(args)
     if not Path(CORPUS_INFO["path"]).is_file():
@@ -310,6 +329,6 @@ def run_eval(args) -> int:
     if passkey:
         print_passkey(final, console)
     if not args.no_plot:
-        plot(final, out.with_suffix(".png"))
+        plot(final, out.with_suffix(".png"), fits=args.key_fit, modes=args.modes)
     console.print(f"wrote {out}")
     return 0
