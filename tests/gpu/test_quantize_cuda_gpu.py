@@ -114,6 +114,38 @@ def test_non_finite_vectors_are_stored_as_nan_and_counted(gen):
     assert float(rel.max()) < 0.05
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [(4, 3), (8, 2)])
+def test_long_chunks_rows_out_of_range(d, dtype, bits, gen):
+    """A long chunk of 16-bit vectors takes the tile path (the rotation on tensor cores, no prescale); rows whose
+    sum of squares leaves its safe range or is not finite are coded again in the reference's order, and exact zero
+    vectors (signed zeros too) stay on the tile path.  Both must match the reference."""
+    codec = ta.KVCodec(d, *bits)
+    fused, ref = _pair(codec, 2, 2, gen, capacity=200)
+    big, tiny = (1e30, 1e-30) if dtype == torch.bfloat16 else (3e3, 1e-4)   # float16: finite up to 65504
+    k = torch.randn(2, 2, 70, d, generator=gen).cuda()
+    v = torch.randn(2, 2, 70, d, generator=gen).cuda()
+    k[0, 0, 3] = 0.0
+    k[0, 0, 4] = -0.0
+    k[0, 1, 9, 5] = float("nan")
+    v[1, 0, 17, 40] = float("inf")
+    k[1, 1, 20] *= big          # finite; in bfloat16 its sum of squares overflows float32
+    v[0, 1, 33] *= tiny
+    k[1, 0, 50] = 0.0
+    k[1, 0, 50, d // 3] = 2.5   # one coordinate: every rotated value has the same magnitude
+    k, v = k.to(dtype), v.to(dtype)
+    _append(fused, ref, k, v)
+    assert fused.nonfinite.tolist() == ref.nonfinite.tolist() == [1, 1]
+    finite = ~(torch.isnan(ref.k_scales) | torch.isnan(ref.v_scales))
+    assert torch.equal(torch.isnan(fused.k_scales), torch.isnan(ref.k_scales))
+    assert torch.equal(torch.isnan(fused.v_scales), torch.isnan(ref.v_scales))
+    for name in ("k_scales", "v_scales"):
+        getattr(fused, name)[~finite] = 0
+        getattr(ref, name)[~finite] = 0
+    assert_same(fused, ref, [(k, v)])
+
+
 EXACT_ROWS = ("recent_k", "recent_v", "first_k", "first_v")
 
 

@@ -17,6 +17,9 @@
 // bit k w).  Tokens are read once and codes written once, so the kernel streams; CTAs loop over token blocks so
 // that the tables they stage in shared memory serve many tokens.
 //
+// Long chunks of float16 / bfloat16 vectors at D <= 128 take code_tiles instead (the rotation's first stage on tensor
+// cores; its section below), in a kernel of its own.
+//
 // One launch does the whole append: the cache's exact rows (recent window, first tokens) take the raw vectors of
 // the tokens they keep, and the last CTA to finish advances the lengths (an arrival counter: every CTA has read
 // them by then), so a decode step's append is one kernel, also inside a CUDA graph.
@@ -48,10 +51,10 @@ struct QuantShape {
 };
 
 template <int D>
-constexpr int long_chunk_per_lane() { return D <= 128 ? 32 : 16; }
+__host__ __device__ constexpr int long_chunk_per_lane() { return D <= 128 ? 32 : 16; }
 
 template <int D>
-constexpr int short_chunk_per_lane() { return D / 32 > 4 ? D / 32 : 4; }
+__host__ __device__ constexpr int short_chunk_per_lane() { return D / 32 > 4 ? D / 32 : 4; }
 
 template <int BITS>
 struct PlaneWidths {  // format/codec.py plane_widths: the low bits in the widest plane
@@ -220,158 +223,510 @@ __device__ __forceinline__ Rows<DTYPE, PL> first_rows(const QuantizeParams& p, b
   return rows;
 }
 
-// Code this CTA's tokens of one (sequence, KV head) and side.
+// Code one block of vectors (this lane's: token t, its 32 / L-th of a warp's vectors), whose raw values were fetched:
+// valid says whether it is stored, at `slot`.
 template <int D, int PL, int DTYPE, int BITS>
-__device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, int n_new, int first,
-                                            int slot0, const Tables& tab, uint8_t* warp_cells,
-                                            const Rows<DTYPE, PL>& rows) {
+__device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_key, int b, int bh, bool valid, int slot,
+                                             const RawRow<DTYPE, PL>& raw, const Tables& tab, uint8_t* warp_cells) {
   using S = QuantShape<D, PL>;
   using PW = PlaneWidths<BITS>;
   constexpr int ROW = D * BITS / 8;
   constexpr int P0 = D * PW::LOW / 8;
   constexpr int ROW_WORDS = ROW / 4;
   constexpr int LANE_WORDS = (ROW_WORDS + S::L - 1) / S::L;  // packed words per lane (BITS * PL / 32)
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
   const int vec = lane / S::L, sub = lane % S::L, c0 = sub * PL;
   uint8_t* codes = is_key ? p.k_codes : p.v_codes;
   void* scales = is_key ? p.k_scales : p.v_scales;
   const bool transform = is_key && p.key_shift != nullptr;
   const float norm = 1.f / sqrtf(static_cast<float>(D));  // the transform below is unnormalized
-  const int tokens_per_cta = warps * S::VECTORS;
+  float x[PL];
+  if (valid) {
+    convert_row<DTYPE, PL>(raw, x);
+  } else {
+#pragma unroll
+    for (int i = 0; i < PL; ++i) x[i] = 0.f;
+  }
+  if (transform) {  // (k - shift) * gain, in the Triton kernel's order
+    const float4* shift = reinterpret_cast<const float4*>(p.key_shift + static_cast<size_t>(bh) * D + c0);
+    const float4* gain = reinterpret_cast<const float4*>(p.key_gain + static_cast<size_t>(bh) * D + c0);
+#pragma unroll
+    for (int i = 0; i < PL / 4; ++i) {
+      const float4 s = shift[i], g = gain[i];
+      x[4 * i] = (x[4 * i] - s.x) * g.x;
+      x[4 * i + 1] = (x[4 * i + 1] - s.y) * g.y;
+      x[4 * i + 2] = (x[4 * i + 2] - s.z) * g.z;
+      x[4 * i + 3] = (x[4 * i + 3] - s.w) * g.w;
+    }
+  }
+  // A NaN or infinity anywhere makes `probe` NaN (x * 0 is NaN only for them): such a vector is stored as codes 0
+  // and NaN scales, so what the arithmetic below makes of it does not matter.
+  float amax = 0.f, probe = 0.f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    amax = fmaxf(amax, fabsf(x[i]));
+    probe = fmaf(x[i], 0.f, probe);
+  }
+#pragma unroll
+  for (int m = 1; m < S::L; m <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    probe += __shfl_xor_sync(0xffffffffu, probe, m);
+  }
+  const bool bad = probe != probe;
+  int e;
+  frexpf(amax, &e);  // amax in [2^(e-1), 2^e); 0 for 0 (codec.magnitude_exponent)
+  const int half = (-e) >> 1;
+  const float down_a = pow2(half), down_b = pow2(-e - half);  // |e| <= 149: no clamp needed
+#pragma unroll
+  for (int i = 0; i < PL; ++i) x[i] = x[i] * down_a * down_b * tab.signs[c0 + i];
+  // Hadamard transform over the group's D coordinates: coordinate 32 s + i is lane s's x[i].
+#pragma unroll
+  for (int hstep = 1; hstep < PL; hstep <<= 1) {
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      if (i & hstep) continue;
+      const float u = x[i], v = x[i + hstep];
+      x[i] = u + v;
+      x[i + hstep] = u - v;
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < S::L; m <<= 1) {
+    const float sign = (sub & m) ? -1.f : 1.f;  // this lane holds the butterfly's second half
+#pragma unroll
+    for (int i = 0; i < PL; ++i) x[i] = fmaf(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
+  }
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) sumsq = fmaf(x[i], x[i], sumsq);
+  sumsq = group_sum<S::BLOCK_LANES>(sumsq);
+  const float rms = sqrtf(sumsq / S::BLOCK);
+  const float inv = 1.f / (rms > 0.f ? rms : 1.f);
+  // Cells: count the boundaries strictly below u (ties to the lower cell, saturating at the ends).  Two copies
+  // of the loop, so that neither branches per coordinate: the scale rules other than rms need the centroids.
+  uint32_t packed[PL / 4];
+  float csq = 0.f, yc = 0.f;
+  const int keep = bad ? 0 : 0xff;  // a non-finite vector stores codes 0
+  if (p.rule != 0) {
+    find_cells<PL, true>(x, inv, keep, tab, packed, csq, yc);
+  } else {
+    find_cells<PL, false>(x, inv, keep, tab, packed, csq, yc);
+  }
+  __syncwarp();  // the previous block's packing has read its cells
+  uint8_t* cells_out = warp_cells + lane * PL;
+  if constexpr (PL % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < PL / 16; ++i)
+      reinterpret_cast<uint4*>(cells_out)[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < PL / 4; ++i) reinterpret_cast<uint32_t*>(cells_out)[i] = packed[i];
+  }
+  __syncwarp();
+  const uint8_t* cells = warp_cells + vec * D;
+  uint32_t words[LANE_WORDS];
+#pragma unroll
+  for (int w = 0; w < LANE_WORDS; ++w) {
+    const int at = min(sub * LANE_WORDS + w, ROW_WORDS - 1) * 4;  // byte of the packed row (lanes past it idle)
+    if constexpr (PW::HIGH == 0) {
+      words[w] = plane_word<D, PW::LOW>(cells, at, 0);
+    } else {
+      words[w] = at < P0 ? plane_word<D, PW::LOW>(cells, at, 0) : plane_word<D, PW::HIGH>(cells, at - P0, PW::LOW);
+    }
+  }
+  float scale = rms;
+  if (p.rule != 0) {
+    csq = group_sum<S::BLOCK_LANES>(csq);
+    if (p.rule == 1) {
+      scale = sqrtf(sumsq) / sqrtf(csq);
+    } else {
+      yc = group_sum<S::BLOCK_LANES>(yc);
+      scale = yc / csq;
+    }
+    scale = rms > 0.f ? scale : 0.f;
+  }
+  if (valid) {
+    const size_t row = static_cast<size_t>(bh) * p.capacity + slot;
+    uint8_t* dst = codes + row * ROW + sub * LANE_WORDS * 4;
+    if constexpr (ROW_WORDS % S::L == 0) {  // every lane writes LANE_WORDS words, as wide as they align
+      store_words<LANE_WORDS>(dst, words);
+    } else {
+#pragma unroll
+      for (int w = 0; w < LANE_WORDS; ++w)
+        if (sub * LANE_WORDS + w < ROW_WORDS) reinterpret_cast<uint32_t*>(dst)[w] = words[w];
+    }
+    if (sub % S::BLOCK_LANES == 0) {
+      const float s = bad ? __int_as_float(0x7fc00000) : times_pow2(scale * norm, e);
+      store_scale(scales, row * S::NB + sub / S::BLOCK_LANES, s, p.scale_bf16);
+    }
+    if (bad && sub == 0 && p.nonfinite != nullptr) atomicAdd(p.nonfinite + b, 1);
+  }
+}
 
+// Whether token t of a chunk is stored (the chunk's first `first` tokens are not when a ring keeps its last N; a
+// static cache stores none past its capacity), and where.
+struct Placement {
+  int n_new, first, slot0, capacity;
+  bool ring;
+  __device__ __forceinline__ bool stored(int t) const {
+    return t < n_new && t >= first && (ring || slot0 + t < capacity);
+  }
+  __device__ __forceinline__ int slot(int t) const { return ring ? (slot0 + t) % capacity : slot0 + t; }
+};
+
+// Code this CTA's tokens of one (sequence, KV head) and side, PL coordinates per lane.
+template <int D, int PL, int DTYPE, int BITS>
+__device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
+                                            const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows) {
+  using S = QuantShape<D, PL>;
+  const int tokens_per_cta = (blockDim.x / 32) * S::VECTORS;
   const int step = gridDim.x * tokens_per_cta;
-  auto stored = [&](int t) { return t < n_new && t >= first && (p.ring || slot0 + t < p.capacity); };
   // The next block's rows are fetched while this one is coded (one block of loads in flight per warp).
   RawRow<DTYPE, PL> next = rows.first;
   int t_next = rows.t_first;
-  for (int t0 = blockIdx.x * tokens_per_cta; t0 < n_new; t0 += step) {
+  for (int t0 = blockIdx.x * tokens_per_cta; t0 < at.n_new; t0 += step) {
     const int t = t_next;
-    const bool valid = stored(t);
     const RawRow<DTYPE, PL> raw = next;
     t_next = t + step;
-    if (stored(t_next)) rows.fetch(t_next, next);
-    const int slot = p.ring ? (slot0 + t) % p.capacity : slot0 + t;
-    float x[PL];
-    if (valid) {
-      convert_row<DTYPE, PL>(raw, x);
-    } else {
+    if (at.stored(t_next)) rows.fetch(t_next, next);
+    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, at.stored(t), at.slot(t), raw, tab, warp_cells);
+  }
+}
+
+// ---- Long chunks of float16 / bfloat16 vectors at D <= 128: the rotation on tensor cores ----
+//
+// A warp codes 8 tokens per step.  The signed inputs go to m16n8k16 MMAs against the 16 x 16 Sylvester matrix
+// (products of 16-bit values and +-1 are exact; float32 accumulation), and the remaining D / 16-point transform is
+// butterflies inside each lane.  Coordinate i = i0 + 2 i1 + 4 i2 + 8 (i3 + 2 i4) + 32 m is MMA index k = i0 + 2 t +
+// 8 i1 with t = i3 + 2 i4 (the lane's quad position), block (i2, m): each lane's 16-byte loads (8 consecutive
+// coordinates, 8 t + 32 m + 0..7) are its A fragments as loaded, and since H[i][j] = (-1)^popcount(i & j) pairs bit
+// for bit, the outputs come back in the same order: lane (g, t) holds token g's rotated coordinates
+// j = (q & 7) + 8 t + 32 (q >> 3) for q < D / 4.  Those hold whole bytes of every plane of width W whose planes are
+// 32 bytes or more (byte b holds coordinates b + k P): the packing stays in the lane, and narrower planes OR their
+// slices over two or four lanes of the quad.  A row per lane (the MMA's rows g + 8 are zero): two rows per lane halve
+// the MMAs but hold twice the rotated values, 168 registers and 3 CTAs per SM, 97.9 against 92.8 us for one row at
+// 128 registers (BENCHMARKS.md).
+//
+// No power-of-two prescale: it does not change u = y / rms or the stored scale (powers of two factor out exactly),
+// as long as nothing over- or underflows.  A row whose sum of squares lies outside [2^-100, 2^100] (and is not an
+// exact zero vector), or is not finite, is coded again by code_vectors, the reference's order of operations.
+constexpr int TILE_R = 1;  // rows per lane
+constexpr int TILE_ROWS = 8 * TILE_R;      // tokens a warp codes per step
+
+template <int DTYPE>  // 0 float16, 1 bfloat16
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  if constexpr (DTYPE == 1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%10,%10,%10};\n"
+                 : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%10,%10,%10};\n"
+                 : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+  }
+}
+
+// Entries (k, n) and (k + 1, n) of the 16 x 16 Sylvester matrix as two 16-bit values (+-1 in DTYPE).
+template <int DTYPE>
+__device__ __forceinline__ uint32_t sylvester_pair(int k, int n) {
+  constexpr uint32_t ONE = DTYPE == 1 ? 0x3f80u : 0x3c00u;
+  const uint32_t lo = ONE | ((__popc(k & n) & 1u) << 15);
+  const uint32_t hi = ONE | ((__popc((k + 1) & n) & 1u) << 15);
+  return lo | (hi << 16);
+}
+
+// One row's W-bit slices [S, S + W) of a lane's cell indices (codes << SHIFT), written into a plane of P = D W / 8
+// bytes (byte b holds coordinate b + k P at bit k W).  TOP: the plane holds the codes' highest bits (nothing above S + W
+// to mask).  All four lanes of the quad call it (narrow planes shuffle).
+template <int D, int W, int S, int SHIFT, bool TOP>
+__device__ __forceinline__ uint32_t plane_bits(uint32_t idx, int pos) {
+  constexpr uint32_t MASK = (1u << W) - 1;
+  if constexpr (TOP && S == SHIFT) return pos >= S ? idx << (pos - S) : idx >> (S - pos);  // the bits below S are 0
+  else if constexpr (TOP) return (idx >> S) << pos;
+  else return ((idx >> S) & MASK) << pos;
+}
+
+template <int D, int W, int S, int SHIFT, bool TOP>
+__device__ __forceinline__ void store_plane(const uint32_t (&idx)[D / 4], uint8_t* plane, int t, bool store) {
+  constexpr int P = D * W / 8;
+  // Slices are disjoint bit fields: added rather than ORed, so that a shift and its add are one instruction.
+  if constexpr (P >= 32) {
+    // The lane holds plane bytes 8 t + 32 mm + 0..7 (mm < P / 32), coordinate j = b + k P being q = (b & 7) +
+    // 8 (mm + k P / 32): two words each.
 #pragma unroll
-      for (int i = 0; i < PL; ++i) x[i] = 0.f;
+    for (int mm = 0; mm < P / 32; ++mm) {
+      uint32_t w[2] = {0u, 0u};
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int k = 0; k < 8 / W; ++k)
+            w[c] += plane_bits<D, W, S, SHIFT, TOP>(idx[4 * c + r + 8 * (mm + k * (P / 32))], 8 * r + k * W);
+      if (store) *reinterpret_cast<uint2*>(plane + 8 * t + 32 * mm) = make_uint2(w[0], w[1]);
     }
-    if (transform) {  // (k - shift) * gain, in the Triton kernel's order
-      const float4* shift = reinterpret_cast<const float4*>(p.key_shift + static_cast<size_t>(bh) * D + c0);
-      const float4* gain = reinterpret_cast<const float4*>(p.key_gain + static_cast<size_t>(bh) * D + c0);
+  } else {
+    static_assert(P == 8 || P == 16, "planes of 8, 16 or a multiple of 32 bytes");
+    // j = (q & 7) + 8 t + 32 (q >> 3) lies in byte j % P at slice j / P: P = 16, byte (q & 7) + 8 (t & 1) and slice
+    // (t >> 1) + 2 (q >> 3); P = 8, byte q & 7 and slice t + 4 (q >> 3).  The lanes that differ in t's slice bits
+    // fill the same two words.
+    constexpr int T_BYTE_BITS = P == 16 ? 1 : 0;
+    const int t_slice = t >> T_BYTE_BITS;
+    uint32_t w[2] = {0u, 0u};
 #pragma unroll
-      for (int i = 0; i < PL / 4; ++i) {
-        const float4 s = shift[i], g = gain[i];
-        x[4 * i] = (x[4 * i] - s.x) * g.x;
-        x[4 * i + 1] = (x[4 * i + 1] - s.y) * g.y;
-        x[4 * i + 2] = (x[4 * i + 2] - s.z) * g.z;
-        x[4 * i + 3] = (x[4 * i + 3] - s.w) * g.w;
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int m = 0; m < D / 32; ++m)
+          w[c] += plane_bits<D, W, S, SHIFT, TOP>(idx[4 * c + r + 8 * m], 8 * r + m * (32 / P) * W);
+      w[c] <<= t_slice * W;
+#pragma unroll
+      for (int lanes = 1 << T_BYTE_BITS; lanes < 4; lanes <<= 1) w[c] |= __shfl_xor_sync(0xffffffffu, w[c], lanes);
+    }
+    if (store && t_slice == 0) *reinterpret_cast<uint2*>(plane + 8 * (t & T_BYTE_BITS)) = make_uint2(w[0], w[1]);
+  }
+}
+
+// The tile path's cell search.  Its grid covers every u a finite vector can have (|u| <= sqrt(D): no coordinate
+// exceeds the norm), so no index is clamped, with cells of the same width as the scalar path's grid but centred on
+// multiples of 1 / scale: cell c holds u * scale in [c - half - 1/2, c - half + 1/2), and an FMA that adds 1.5 * 2^23
+// rounds u * scale + half to that c, held in the low bits of the float.  Entries count the boundaries strictly below
+// the cell's left edge, as byte offsets into the boundary and centroid tables (four times the count) up to 6 bits.
+constexpr float ROUND_MAGIC = 12582912.f;  // 1.5 * 2^23
+// Cells at D = 128, 8 bits: 2 * ceil((sqrt(128) + 1) * 64) + 1 = 1579.  A cell index is the float's low 11 bits, so that
+// any float (a NaN of a row coded again: 0x7fffffff) reads inside the table; entries past the grid are 0.
+constexpr int MAX_TILE_GRID = 2048;
+
+template <int BITS>
+struct TileGrid {
+  static constexpr int SHIFT = BITS <= 6 ? 2 : 0;  // entries and indices are codes << SHIFT
+  const uint8_t* cell;
+  int half;
+};
+
+// Built by the whole CTA into shared memory (a binary search per cell over the staged boundaries), then a barrier.
+template <int D, int BITS>
+__device__ __forceinline__ TileGrid<BITS> build_tile_grid(const Tables& tab, uint8_t* cells) {
+  const int half = static_cast<int>(ceilf((sqrtf(static_cast<float>(D)) + 1.f) * tab.grid_scale));
+  const float width = 1.f / tab.grid_scale;  // a power of two: the edges below are exact
+  for (int c = threadIdx.x; c < MAX_TILE_GRID; c += blockDim.x) {
+    if (c > 2 * half) {
+      cells[c] = 0;
+      continue;
+    }
+    const float left = (static_cast<float>(c - half) - 0.5f) * width;
+    int lo = 0, hi = (1 << BITS) - 1;  // the finite boundaries strictly below `left`
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (tab.bounds[mid] < left) lo = mid + 1;
+      else hi = mid;
+    }
+    cells[c] = static_cast<uint8_t>(lo << TileGrid<BITS>::SHIFT);
+  }
+  __syncthreads();
+  return TileGrid<BITS>{cells, half};
+}
+
+// One row's cells (as codes << SHIFT) and the corrected / least-squares sums, for a lane's Q rotated coordinates.
+template <int Q, int BITS, int RULE>  // the scale rule: 0 rms, 1 corrected (sum c^2), 2 lsq (and sum y c)
+__device__ __forceinline__ void tile_cells(const float (&y)[Q], float inv, float inv_scaled, float cell_offset,
+                                           const Tables& tab, const TileGrid<BITS>& tg, uint32_t (&idx)[Q],
+                                           float& csq, float& yc) {
+  constexpr int SHIFT = TileGrid<BITS>::SHIFT;
+  const char* bounds = reinterpret_cast<const char*>(tab.bounds);
+  const char* centroids = reinterpret_cast<const char*>(tab.centroids);
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    const float u = y[q] * inv;
+    const uint32_t cell = __float_as_uint(fmaf(y[q], inv_scaled, cell_offset)) & (MAX_TILE_GRID - 1);
+    const uint32_t below = tg.cell[cell];
+    const float bound = *reinterpret_cast<const float*>(bounds + (below << (2 - SHIFT)));
+    idx[q] = below + (bound < u ? 1u << SHIFT : 0u);
+    if constexpr (RULE != 0) {
+      const float c = *reinterpret_cast<const float*>(centroids + (idx[q] << (2 - SHIFT)));
+      csq = fmaf(c, c, csq);
+      if constexpr (RULE == 2) yc = fmaf(y[q], c, yc);
+    }
+  }
+}
+
+// A tile row out of the safe range, coded by code_vectors with the whole warp (a vector per step; the lanes of its
+// second vector at D = 64 idle).  Not inlined: the tile loop keeps its registers, and the call is rare.
+template <int D, int DTYPE, int BITS>
+__device__ __noinline__ void recode_row(const QuantizeParams& p, bool is_key, int b, int bh, int tok, int slot,
+                                        const Tables& tab, uint8_t* warp_cells) {
+  constexpr int PL = short_chunk_per_lane<D>();
+  using F = QuantShape<D, PL>;
+  const int lane = threadIdx.x % 32;
+  const bool first_vector = lane / F::L == 0;
+  const long long row = b * (is_key ? p.k_stride_b : p.v_stride_b) +
+                        (bh % p.num_kv_heads) * (is_key ? p.k_stride_h : p.v_stride_h) +
+                        tok * (is_key ? p.k_stride_t : p.v_stride_t) + (lane % F::L) * PL;
+  RawRow<DTYPE, PL> raw;
+  if (first_vector) fetch_row<DTYPE, PL>(is_key ? p.k : p.v, row, raw);
+  code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, first_vector, slot, raw, tab, warp_cells);
+}
+
+template <int D, int DTYPE, int BITS>
+__device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
+                                           const Tables& tab, uint8_t* tile_grid, uint8_t* warp_cells) {
+  static_assert(D == 64 || D == 128, "the tile path holds D / 2 rotated coordinates per lane");
+  static_assert(DTYPE == 0 || DTYPE == 1, "16-bit inputs");
+  using PW = PlaneWidths<BITS>;
+  constexpr int M = D / 32;  // 16-byte loads per row and lane
+  constexpr int Q = D / 4;   // rotated coordinates per row and lane
+  constexpr int ROW = D * BITS / 8;
+  constexpr int P0 = D * PW::LOW / 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  uint8_t* codes = is_key ? p.k_codes : p.v_codes;
+  void* scales = is_key ? p.k_scales : p.v_scales;
+  const float norm = 1.f / sqrtf(static_cast<float>(D));
+  // The rotation's signs as masks of the sign bits of the input pairs (coordinates 2 j, 2 j + 1), in shared memory
+  // after the tile grid (registers would cost occupancy): a lane reads its words 4 t + 16 m + 0..3 per 16-byte load.
+  uint32_t* sign_pairs = reinterpret_cast<uint32_t*>(tile_grid + MAX_TILE_GRID);
+  for (int j = threadIdx.x; j < D / 2; j += blockDim.x)
+    sign_pairs[j] = (tab.signs[2 * j] < 0.f ? 0x8000u : 0u) | (tab.signs[2 * j + 1] < 0.f ? 0x80000000u : 0u);
+  // B fragments of the two 8-column halves n3 (columns g + 8 n3): rows 2 t, 2 t + 1 and 2 t + 8, 2 t + 9.
+  const uint32_t b00 = sylvester_pair<DTYPE>(2 * t, g), b01 = sylvester_pair<DTYPE>(2 * t + 8, g);
+  const uint32_t b10 = sylvester_pair<DTYPE>(2 * t, g + 8), b11 = sylvester_pair<DTYPE>(2 * t + 8, g + 8);
+  const TileGrid<BITS> tg = build_tile_grid<D, BITS>(tab, tile_grid);
+  const char* src = static_cast<const char*>(is_key ? p.k : p.v);
+  const long long stride_t = is_key ? p.k_stride_t : p.v_stride_t;
+  const long long base = b * (is_key ? p.k_stride_b : p.v_stride_b) +
+                         (bh % p.num_kv_heads) * (is_key ? p.k_stride_h : p.v_stride_h);
+  const long long row0 = base + 8 * t;
+  const int step = gridDim.x * warps;
+  // Rows past the chunk read its last token (a valid address; they are not stored), so the loads need no predicate.
+  auto fetch = [&](int tile, uint32_t (&raw)[TILE_R][M][4]) {
+#pragma unroll
+    for (int r = 0; r < TILE_R; ++r) {
+      const int tok = min(tile * TILE_ROWS + g + 8 * r, p.tokens - 1);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + 2 * (row0 + tok * stride_t + 32 * m)));
+        raw[r][m][0] = q.x, raw[r][m][1] = q.y, raw[r][m][2] = q.z, raw[r][m][3] = q.w;
       }
     }
-    // A NaN or infinity anywhere makes `probe` NaN (x * 0 is NaN only for them): such a vector is stored as codes 0
-    // and NaN scales, so what the arithmetic below makes of it does not matter.
-    float amax = 0.f, probe = 0.f;
+  };
+  // The next tile's rows are fetched while this one is coded (16 registers at one row per lane).
+  int tile = blockIdx.x * warps + warp;
+  uint32_t next[TILE_R][M][4];
+  if (tile * TILE_ROWS < at.n_new) fetch(tile, next);
+  for (; tile * TILE_ROWS < at.n_new; tile += step) {
+    uint32_t x[TILE_R][M][4];
 #pragma unroll
-    for (int i = 0; i < PL; ++i) {
-      amax = fmaxf(amax, fabsf(x[i]));
-      probe = fmaf(x[i], 0.f, probe);
+    for (int r = 0; r < TILE_R; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) x[r][m][w] = next[r][m][w];
+    if ((tile + step) * TILE_ROWS < at.n_new) fetch(tile + step, next);
+    // An exact zero vector (signed zeros included) is coded as such; any other row must pass the range check.
+    bool zero[TILE_R];
+#pragma unroll
+    for (int r = 0; r < TILE_R; ++r) {
+      uint32_t any = 0u;
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) any |= x[r][m][w];
+      any &= 0x7fff7fffu;
+      any |= __shfl_xor_sync(0xffffffffu, any, 1);
+      any |= __shfl_xor_sync(0xffffffffu, any, 2);
+      zero[r] = any == 0u;
     }
+    // Rotate: y[r][q], q = e + 2 n3 + 4 i2 + 8 m (column 2 t + e of half n3, block (i2, m)).
+    float y[TILE_R][Q];
 #pragma unroll
-    for (int m = 1; m < S::L; m <<= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-      probe += __shfl_xor_sync(0xffffffffu, probe, m);
-    }
-    const bool bad = probe != probe;
-    int e;
-    frexpf(amax, &e);  // amax in [2^(e-1), 2^e); 0 for 0 (codec.magnitude_exponent)
-    const int half = (-e) >> 1;
-    const float down_a = pow2(half), down_b = pow2(-e - half);  // |e| <= 149: no clamp needed
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int i = 0; i < PL; ++i) x[i] = x[i] * down_a * down_b * tab.signs[c0 + i];
-    // Hadamard transform over the group's D coordinates: coordinate 32 s + i is lane s's x[i].
-#pragma unroll
-    for (int hstep = 1; hstep < PL; hstep <<= 1) {
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        if (i & hstep) continue;
-        const float u = x[i], v = x[i + hstep];
-        x[i] = u + v;
-        x[i + hstep] = u - v;
+      for (int i2 = 0; i2 < 2; ++i2) {
+        // A fragment: rows g and g + 8 (zero when a lane codes one row), k = 2 t + e and 2 t + 8 + e.
+        const uint2 sign = reinterpret_cast<const uint2*>(sign_pairs)[2 * t + 8 * m + i2];
+        const uint32_t a0 = x[0][m][2 * i2] ^ sign.x;
+        const uint32_t a2 = x[0][m][2 * i2 + 1] ^ sign.y;
+        const uint32_t a1 = TILE_R == 2 ? x[TILE_R - 1][m][2 * i2] ^ sign.x : 0u;
+        const uint32_t a3 = TILE_R == 2 ? x[TILE_R - 1][m][2 * i2 + 1] ^ sign.y : 0u;
+        float c[4];
+        const int q = 4 * i2 + 8 * m;
+        mma_16816<DTYPE>(c, a0, a1, a2, a3, b00, b01);
+        y[0][q] = c[0], y[0][q + 1] = c[1];
+        if constexpr (TILE_R == 2) y[TILE_R - 1][q] = c[2], y[TILE_R - 1][q + 1] = c[3];
+        mma_16816<DTYPE>(c, a0, a1, a2, a3, b10, b11);
+        y[0][q + 2] = c[0], y[0][q + 3] = c[1];
+        if constexpr (TILE_R == 2) y[TILE_R - 1][q + 2] = c[2], y[TILE_R - 1][q + 3] = c[3];
       }
-    }
 #pragma unroll
-    for (int m = 1; m < S::L; m <<= 1) {
-      const float sign = (sub & m) ? -1.f : 1.f;  // this lane holds the butterfly's second half
+    for (int s = 4; s < Q; s <<= 1)
 #pragma unroll
-      for (int i = 0; i < PL; ++i) x[i] = fmaf(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
-    }
-    float sumsq = 0.f;
+      for (int q = 0; q < Q; ++q) {
+        if (q & s) continue;
 #pragma unroll
-    for (int i = 0; i < PL; ++i) sumsq = fmaf(x[i], x[i], sumsq);
-    sumsq = group_sum<S::BLOCK_LANES>(sumsq);
-    const float rms = sqrtf(sumsq / S::BLOCK);
-    const float inv = 1.f / (rms > 0.f ? rms : 1.f);
-    // Cells: count the boundaries strictly below u (ties to the lower cell, saturating at the ends).  Two copies
-    // of the loop, so that neither branches per coordinate: the scale rules other than rms need the centroids.
-    uint32_t packed[PL / 4];
-    float csq = 0.f, yc = 0.f;
-    const int keep = bad ? 0 : 0xff;  // a non-finite vector stores codes 0
-    if (p.rule != 0) {
-      find_cells<PL, true>(x, inv, keep, tab, packed, csq, yc);
-    } else {
-      find_cells<PL, false>(x, inv, keep, tab, packed, csq, yc);
-    }
-    __syncwarp();  // the previous iteration's packing has read its cells
-    uint8_t* cells_out = warp_cells + lane * PL;
-    if constexpr (PL % 16 == 0) {
-#pragma unroll
-      for (int i = 0; i < PL / 16; ++i)
-        reinterpret_cast<uint4*>(cells_out)[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < PL / 4; ++i) reinterpret_cast<uint32_t*>(cells_out)[i] = packed[i];
-    }
-    __syncwarp();
-    const uint8_t* cells = warp_cells + vec * D;
-    uint32_t words[LANE_WORDS];
-#pragma unroll
-    for (int w = 0; w < LANE_WORDS; ++w) {
-      const int at = min(sub * LANE_WORDS + w, ROW_WORDS - 1) * 4;  // byte of the packed row (lanes past it idle)
-      if constexpr (PW::HIGH == 0) {
-        words[w] = plane_word<D, PW::LOW>(cells, at, 0);
-      } else {
-        words[w] = at < P0 ? plane_word<D, PW::LOW>(cells, at, 0) : plane_word<D, PW::HIGH>(cells, at - P0, PW::LOW);
+        for (int r = 0; r < TILE_R; ++r) {
+          const float u = y[r][q], v = y[r][q + s];
+          y[r][q] = u + v;
+          y[r][q + s] = u - v;
+        }
       }
-    }
-    float scale = rms;
-    if (p.rule != 0) {
-      csq = group_sum<S::BLOCK_LANES>(csq);
-      if (p.rule == 1) {
-        scale = sqrtf(sumsq) / sqrtf(csq);
-      } else {
-        yc = group_sum<S::BLOCK_LANES>(yc);
-        scale = yc / csq;
-      }
-      scale = rms > 0.f ? scale : 0.f;
-    }
-    if (valid) {
-      const size_t row = static_cast<size_t>(bh) * p.capacity + slot;
-      uint8_t* dst = codes + row * ROW + sub * LANE_WORDS * 4;
-      if constexpr (ROW_WORDS % S::L == 0) {  // every lane writes LANE_WORDS words, as wide as they align
-        store_words<LANE_WORDS>(dst, words);
-      } else {
+    unsigned redo[TILE_R];  // per r, lane 4 g's bit: rows g + 8 r that code_vectors codes instead
 #pragma unroll
-        for (int w = 0; w < LANE_WORDS; ++w)
-          if (sub * LANE_WORDS + w < ROW_WORDS) reinterpret_cast<uint32_t*>(dst)[w] = words[w];
+    for (int r = 0; r < TILE_R; ++r) {
+      const int tok = tile * TILE_ROWS + g + 8 * r;
+      float sumsq = 0.f;
+#pragma unroll
+      for (int q = 0; q < Q; ++q) sumsq = fmaf(y[r][q], y[r][q], sumsq);
+      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
+      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
+      const bool ok = zero[r] || (sumsq >= 0x1p-100f && sumsq <= 0x1p100f);
+      const bool stored = at.stored(tok);
+      redo[r] = __ballot_sync(0xffffffffu, t == 0 && stored && !ok);
+      const float rms = sqrtf(sumsq / D);
+      const float inv = 1.f / (rms > 0.f ? rms : 1.f);
+      // The cells, as code_vectors finds them (u = y * inv against the boundary of its grid cell), from the tile grid:
+      // cell RN(u * scale) + half, the rounding done by the FMA into a float whose mantissa then holds the cell.
+      uint32_t idx[Q];
+      float csq = 0.f, yc = 0.f;
+      // A row out of range takes inv_scaled = 0: its cells stay inside the grid (NaN and infinities pick cell 0), and it
+      // is coded again below.
+      const float inv_scaled = ok ? inv * tab.grid_scale : 0.f;
+      const float cell_offset = static_cast<float>(tg.half) + ROUND_MAGIC;
+      if (p.rule == 1) tile_cells<Q, BITS, 1>(y[r], inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
+      else if (p.rule == 2) tile_cells<Q, BITS, 2>(y[r], inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
+      else tile_cells<Q, BITS, 0>(y[r], inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
+      const bool write = stored && ok;
+      const size_t row = static_cast<size_t>(bh) * p.capacity + (stored ? at.slot(tok) : 0);
+      uint8_t* dst = codes + row * ROW;
+      constexpr int SHIFT = TileGrid<BITS>::SHIFT;
+      store_plane<D, PW::LOW, SHIFT, SHIFT, PW::HIGH == 0>(idx, dst, t, write);
+      if constexpr (PW::HIGH > 0) store_plane<D, PW::HIGH, PW::LOW + SHIFT, SHIFT, true>(idx, dst + P0, t, write);
+      float scale = rms;
+      if (p.rule != 0) {
+        csq += __shfl_xor_sync(0xffffffffu, csq, 1);
+        csq += __shfl_xor_sync(0xffffffffu, csq, 2);
+        if (p.rule == 1) {
+          scale = sqrtf(sumsq) / sqrtf(csq);
+        } else {
+          yc += __shfl_xor_sync(0xffffffffu, yc, 1);
+          yc += __shfl_xor_sync(0xffffffffu, yc, 2);
+          scale = yc / csq;
+        }
+        scale = rms > 0.f ? scale : 0.f;
       }
-      if (sub % S::BLOCK_LANES == 0) {
-        const float s = bad ? __int_as_float(0x7fc00000) : times_pow2(scale * norm, e);
-        store_scale(scales, row * S::NB + sub / S::BLOCK_LANES, s, p.scale_bf16);
-      }
-      if (bad && sub == 0 && p.nonfinite != nullptr) atomicAdd(p.nonfinite + b, 1);
+      if (write && t == 0) store_scale(scales, row, scale * norm, p.scale_bf16);
     }
+    // Rows out of the safe range (or not finite): the whole warp codes each, a vector per step (the lanes of
+    // code_vectors' second vector at D = 64 idle).
+#pragma unroll
+    for (int r = 0; r < TILE_R; ++r)
+      for (unsigned rows = redo[r]; rows != 0u; rows &= rows - 1) {
+        const int tok = tile * TILE_ROWS + (__ffs(rows) - 1) / 4 + 8 * r;
+        recode_row<D, DTYPE, BITS>(p, is_key, b, bh, tok, at.slot(tok), tab, warp_cells);
+      }
   }
 }
 
@@ -431,42 +786,72 @@ __device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int
 
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
 // (the cell grid, boundaries, centroids and signs: at most 4 KB), loops over token blocks gridDim.x apart, and
-// arrives on p.arrivals when done.
-template <int D, int PL, int DTYPE>
-__global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const QuantizeParams p) {
+// arrives on p.arrivals when done.  TILES: long chunks of 16-bit vectors at D <= 128 take code_tiles (keys with a
+// transform keep code_tokens: the shift is not exact in 16 bits).
+template <int D, int PL, int DTYPE, bool TILES>
+__global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? 4 : 1) quantize_append_kernel(const __grid_constant__ QuantizeParams p) {
   __shared__ __align__(16) uint8_t grid[MAX_GRID];
   __shared__ float bounds[256];
   __shared__ float centroids[256];
   __shared__ __align__(16) float signs[D];
   __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
+  __shared__ __align__(16) uint8_t tile_grid[TILES ? MAX_TILE_GRID + 2 * D : 1];  // and the sign pairs
   const bool is_key = blockIdx.z == 0;
   const int bits = is_key ? p.k_bits : p.v_bits;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads;
-  const Rows<DTYPE, PL> rows = first_rows<D, PL, DTYPE>(p, is_key, b, bh % p.num_kv_heads);
+  const bool tiles = TILES && !(is_key && p.key_shift != nullptr);
   const int grid_size = is_key ? p.k_grid_size : p.v_grid_size;
-  for (int i = threadIdx.x; i < grid_size / 16; i += blockDim.x)
-    reinterpret_cast<uint4*>(grid)[i] = reinterpret_cast<const uint4*>(is_key ? p.k_grid : p.v_grid)[i];
-  for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) {
-    bounds[i] = (is_key ? p.k_bounds : p.v_bounds)[i];
-    centroids[i] = (is_key ? p.k_centroids : p.v_centroids)[i];
-  }
-  for (int i = threadIdx.x; i < D; i += blockDim.x) signs[i] = p.signs[i];
-  const int n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
-  const int first = p.ring ? max(n_new - p.capacity, 0) : 0;  // a ring keeps only the last N of a long chunk
-  const int slot0 = p.seen[b];
-  const int start = p.exact_first > 0 ? p.starts[b] : 0;  // read with seen, before any CTA can move it
-  __syncthreads();
   const Tables tab{grid, bounds, centroids, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
                    is_key ? p.k_grid_scale : p.v_grid_scale, grid_size};
+  // The tables in shared memory, this sequence's placement, and where the exact first rows start (read with seen,
+  // before any CTA can move it).
+  auto stage = [&](Placement& at, int& start) {
+    for (int i = threadIdx.x; i < grid_size / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(grid)[i] = reinterpret_cast<const uint4*>(is_key ? p.k_grid : p.v_grid)[i];
+    for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) {
+      bounds[i] = (is_key ? p.k_bounds : p.v_bounds)[i];
+      centroids[i] = (is_key ? p.k_centroids : p.v_centroids)[i];
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) signs[i] = p.signs[i];
+    at.n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
+    at.first = p.ring ? max(at.n_new - p.capacity, 0) : 0;  // a ring keeps only the last N of a long chunk
+    at.slot0 = p.seen[b];
+    at.capacity = p.capacity;
+    at.ring = p.ring != 0;
+    start = p.exact_first > 0 ? p.starts[b] : 0;
+    __syncthreads();
+  };
+  Placement at;
+  int start;
   uint8_t* warp_cells = cells[threadIdx.x / 32];
-  switch (bits) {
-    case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
-    case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
-    case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
-    case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
-    case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
-    case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, n_new, first, slot0, tab, warp_cells, rows); break;
+  // Two disjoint branches, so that nothing of one is live in the other.
+  if (TILES && tiles) {
+    stage(at, start);
+    if constexpr (TILES) {
+      switch (bits) {
+        case 2: code_tiles<D, DTYPE, 2>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 3: code_tiles<D, DTYPE, 3>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 4: code_tiles<D, DTYPE, 4>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 5: code_tiles<D, DTYPE, 5>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 6: code_tiles<D, DTYPE, 6>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 8: code_tiles<D, DTYPE, 8>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+      }
+    }
+  } else {
+    // The first rows are fetched before the tables are staged and the lengths read (any token below T is a valid
+    // address), so that a decode step waits for one round trip to memory rather than three.
+    const Rows<DTYPE, PL> rows = first_rows<D, PL, DTYPE>(p, is_key, b, bh % p.num_kv_heads);
+    stage(at, start);
+    switch (bits) {
+      case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+      case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+      case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+      case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+      case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+      case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+    }
   }
+  const int n_new = at.n_new, slot0 = at.slot0;
   if (p.exact_recent > 0 || p.exact_first > 0)
     copy_exact_rows<D, DTYPE>(p, is_key, b, bh % p.num_kv_heads, n_new, slot0, start);
   // The last CTA of this sequence to arrive advances its length.  Every thread read it (slot0) at the start and used
@@ -485,34 +870,38 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) quantize_append_kernel(const Q
   }
 }
 
-// CTAs of quantize_append_kernel<D, PL, DTYPE> resident per SM (registers and shared memory), asked once.
-template <int D, int PL, int DTYPE>
+// CTAs of quantize_append_kernel<D, PL, DTYPE, TILES> resident per SM (registers and shared memory), asked once.
+template <int D, int PL, int DTYPE, bool TILES>
 int resident_ctas(int threads) {
   static int per_sm[MAX_WARPS + 1] = {};
   const int warps = threads / 32;
   if (per_sm[warps] == 0)
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[warps], quantize_append_kernel<D, PL, DTYPE>, threads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[warps], quantize_append_kernel<D, PL, DTYPE, TILES>,
+                                                  threads, 0);
   return per_sm[warps];
 }
 
-template <int D, int PL, int DTYPE>
+template <int D, int PL, int DTYPE, bool TILES>
 int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
-  constexpr int VECTORS = QuantShape<D, PL>::VECTORS;
-  const int warps = min(MAX_WARPS, (p.tokens + VECTORS - 1) / VECTORS);
-  const int blocks = (p.tokens + warps * VECTORS - 1) / (warps * VECTORS);
+  constexpr int PER_WARP = TILES ? TILE_ROWS : QuantShape<D, PL>::VECTORS;  // tokens a warp codes per step
+  const int warps = min(MAX_WARPS, (p.tokens + PER_WARP - 1) / PER_WARP);
+  const int blocks = (p.tokens + warps * PER_WARP - 1) / (warps * PER_WARP);
   const int rows = 2 * batch * p.num_kv_heads;
   // One wave of resident CTAs over all (sequence, KV head, side) rows: long chunks keep the GPU full and each CTA's
   // staged tables serve many tokens.
-  const int per_row = max(1, (resident_ctas<D, PL, DTYPE>(warps * 32) * sms) / rows);
+  const int per_row = max(1, (resident_ctas<D, PL, DTYPE, TILES>(warps * 32) * sms) / rows);
   const dim3 grid(min(blocks, per_row), batch * p.num_kv_heads, 2);
-  quantize_append_kernel<D, PL, DTYPE><<<grid, warps * 32, 0, stream>>>(p);
+  quantize_append_kernel<D, PL, DTYPE, TILES><<<grid, warps * 32, 0, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <int D, int DTYPE>
 int launch_for_shape(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
-  if (p.tokens <= SHORT_CHUNK) return launch<D, short_chunk_per_lane<D>(), DTYPE>(p, batch, sms, stream);
-  return launch<D, long_chunk_per_lane<D>(), DTYPE>(p, batch, sms, stream);
+  if (p.tokens <= SHORT_CHUNK) return launch<D, short_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
+  // Keys with a transform take code_tokens in the tile kernel too, at 16 coordinates per lane: at 32 its registers
+  // would set the kernel's.
+  if constexpr (D <= 128 && DTYPE != 2) return launch<D, 16, DTYPE, true>(p, batch, sms, stream);
+  else return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
 }
 
 template <int D>
