@@ -114,7 +114,54 @@ def test_non_finite_vectors_are_stored_as_nan_and_counted(gen):
     assert float(rel.max()) < 0.05
 
 
-@pytest.mark.parametrize("d", [64, 128])
+# Appends of at least 8192 tokens x KV heads x sequences of 16-bit vectors take the tile loop (quantize.cu
+# TILE_MIN_TOKENS): at B = 2 and 2 KV heads, 2048 tokens.
+TILE_TOKENS = 2048
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("rule", ["rms", "corrected", "lsq"])
+def test_long_appends_every_width_and_rule(d, bits, rule, gen):
+    """The tile loop (a long append of 16-bit vectors), every width and rule, then a short append behind it."""
+    v_bits = BITS[(BITS.index(bits) + 2) % len(BITS)]
+    codec = ta.KVCodec(d, bits, v_bits, rule)
+    fused, ref = _pair(codec, 2, 2, gen, capacity=TILE_TOKENS + 20)
+    dtype = torch.float16 if bits % 2 else torch.bfloat16
+    inputs = []
+    for t in (TILE_TOKENS + 3, 5):
+        k = (torch.randn(2, 2, t, d, generator=gen) * 3).to("cuda", dtype)
+        v = torch.randn(2, 2, t, d, generator=gen).to("cuda", dtype)
+        _append(fused, ref, k, v)
+        inputs.append((k, v))
+    assert_same(fused, ref, inputs)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_long_appends_into_a_ring_with_ragged_lengths(d, gen):
+    """The tile loop into a ring shorter than the chunk (only its last N tokens stay), with ragged lengths and
+    bfloat16 scales; a key transform sends the keys to the scalar loop and leaves the values on the tile loop."""
+    codec = ta.KVCodec(d, 4, 3, scale_dtype=torch.bfloat16)
+    fused, ref = _pair(codec, 2, 2, gen, sliding_window=300)
+    inputs = []
+    for t, lengths in ((TILE_TOKENS, None), (TILE_TOKENS + 9, [TILE_TOKENS + 9, 700]), (TILE_TOKENS, [17, TILE_TOKENS])):
+        k = torch.randn(2, 2, t, d, generator=gen).cuda().bfloat16()
+        v = torch.randn(2, 2, t, d, generator=gen).cuda().bfloat16()
+        _append(fused, ref, k, v, new_lengths=lengths)
+        inputs.append((k, v))
+    assert torch.equal(fused.seen, ref.seen)
+    assert_same(fused, ref, inputs)
+    fused, ref = _pair(codec, 2, 2, gen, sliding_window=300)
+    shift = torch.randn(2, 2, d, generator=gen).cuda()
+    for cache in (fused, ref):
+        cache.set_key_transform(shift, torch.ones_like(shift))
+    k = (shift[:, :, None] + torch.randn(2, 2, TILE_TOKENS, d, generator=gen).cuda()).bfloat16()
+    v = torch.randn(2, 2, TILE_TOKENS, d, generator=gen).cuda().bfloat16()
+    _append(fused, ref, k, v)
+    assert_same(fused, ref, [(ref.stored_keys(k), v)])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [(4, 3), (8, 2)])
 def test_long_chunks_rows_out_of_range(d, dtype, bits, gen):
@@ -122,10 +169,10 @@ def test_long_chunks_rows_out_of_range(d, dtype, bits, gen):
     sum of squares leaves its safe range or is not finite are coded again in the reference's order, and exact zero
     vectors (signed zeros too) stay on the tile path.  Both must match the reference."""
     codec = ta.KVCodec(d, *bits)
-    fused, ref = _pair(codec, 2, 2, gen, capacity=200)
+    fused, ref = _pair(codec, 2, 2, gen, capacity=TILE_TOKENS + 100)
     big, tiny = (1e30, 1e-30) if dtype == torch.bfloat16 else (3e3, 1e-4)   # float16: finite up to 65504
-    k = torch.randn(2, 2, 70, d, generator=gen).cuda()
-    v = torch.randn(2, 2, 70, d, generator=gen).cuda()
+    k = torch.randn(2, 2, TILE_TOKENS, d, generator=gen).cuda()
+    v = torch.randn(2, 2, TILE_TOKENS, d, generator=gen).cuda()
     k[0, 0, 3] = 0.0
     k[0, 0, 4] = -0.0
     k[0, 1, 9, 5] = float("nan")

@@ -17,8 +17,8 @@
 // bit k w).  Tokens are read once and codes written once, so the kernel streams; CTAs loop over token blocks so
 // that the tables they stage in shared memory serve many tokens.
 //
-// Long chunks of float16 / bfloat16 vectors at D <= 128 take code_tiles instead (the rotation's first stage on tensor
-// cores; its section below), in a kernel of its own.
+// Long appends (at least 8192 tokens x KV heads x sequences) of float16 / bfloat16 vectors at D <= 256 take code_tiles
+// instead (the rotation's first stage on tensor cores; its section below), in a kernel of its own.
 //
 // One launch does the whole append: the cache's exact rows (recent window, first tokens) take the raw vectors of
 // the tokens they keep, and the last CTA to finish advances the lengths (an arrival counter: every CTA has read
@@ -393,7 +393,7 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
   }
 }
 
-// ---- Long chunks of float16 / bfloat16 vectors at D <= 128: the rotation on tensor cores ----
+// ---- Long appends of float16 / bfloat16 vectors at D <= 256: the rotation on tensor cores ----
 //
 // A warp codes 8 tokens per step.  The signed inputs go to m16n8k16 MMAs against the 16 x 16 Sylvester matrix
 // (products of 16-bit values and +-1 are exact; float32 accumulation), and the remaining D / 16-point transform is
@@ -411,6 +411,7 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
 // as long as nothing over- or underflows.  A row whose sum of squares lies outside [2^-100, 2^100] (and is not an
 // exact zero vector), or is not finite, is coded again by code_vectors, the reference's order of operations.
 constexpr int TILE_R = 1;  // rows per lane
+constexpr long long TILE_MIN_TOKENS = 8192;  // tokens x KV heads x sequences of an append that takes the tile loop
 constexpr int TILE_ROWS = 8 * TILE_R;      // tokens a warp codes per step
 
 template <int DTYPE>  // 0 float16, 1 bfloat16
@@ -497,9 +498,11 @@ __device__ __forceinline__ void store_plane(const uint32_t (&idx)[D / 4], uint8_
 // rounds u * scale + half to that c, held in the low bits of the float.  Entries count the boundaries strictly below
 // the cell's left edge, as byte offsets into the boundary and centroid tables (four times the count) up to 6 bits.
 constexpr float ROUND_MAGIC = 12582912.f;  // 1.5 * 2^23
-// Cells at D = 128, 8 bits: 2 * ceil((sqrt(128) + 1) * 64) + 1 = 1579.  A cell index is the float's low 11 bits, so that
-// any float (a NaN of a row coded again: 0x7fffffff) reads inside the table; entries past the grid are 0.
-constexpr int MAX_TILE_GRID = 2048;
+// Cells at 8 bits: 2 * ceil((sqrt(D) + 1) * 64) + 1, 1579 at D = 128 and 2177 at 256.  A cell index is the float's low
+// bits, as many as the table has, so that any float reads inside the table: a finite row's cell lies in the grid, and
+// a row coded again (inv_scaled 0) reads the middle cell or, for a NaN (0x7fffffff), the last entry, set to 0.
+template <int D>
+__host__ __device__ constexpr int tile_grid_cells() { return D <= 128 ? 2048 : 4096; }
 
 template <int BITS>
 struct TileGrid {
@@ -513,11 +516,8 @@ template <int D, int BITS>
 __device__ __forceinline__ TileGrid<BITS> build_tile_grid(const Tables& tab, uint8_t* cells) {
   const int half = static_cast<int>(ceilf((sqrtf(static_cast<float>(D)) + 1.f) * tab.grid_scale));
   const float width = 1.f / tab.grid_scale;  // a power of two: the edges below are exact
-  for (int c = threadIdx.x; c < MAX_TILE_GRID; c += blockDim.x) {
-    if (c > 2 * half) {
-      cells[c] = 0;
-      continue;
-    }
+  if (threadIdx.x == 0) cells[tile_grid_cells<D>() - 1] = 0;
+  for (int c = threadIdx.x; c <= 2 * half; c += blockDim.x) {
     const float left = (static_cast<float>(c - half) - 0.5f) * width;
     int lo = 0, hi = (1 << BITS) - 1;  // the finite boundaries strictly below `left`
     while (lo < hi) {
@@ -542,7 +542,7 @@ __device__ __forceinline__ void tile_cells(const float (&y)[Q], float inv, float
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
     const float u = y[q] * inv;
-    const uint32_t cell = __float_as_uint(fmaf(y[q], inv_scaled, cell_offset)) & (MAX_TILE_GRID - 1);
+    const uint32_t cell = __float_as_uint(fmaf(y[q], inv_scaled, cell_offset)) & (tile_grid_cells<4 * Q>() - 1);
     const uint32_t below = tg.cell[cell];
     const float bound = *reinterpret_cast<const float*>(bounds + (below << (2 - SHIFT)));
     idx[q] = below + (bound < u ? 1u << SHIFT : 0u);
@@ -574,7 +574,7 @@ __device__ __noinline__ void recode_row(const QuantizeParams& p, bool is_key, in
 template <int D, int DTYPE, int BITS>
 __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
                                            const Tables& tab, uint8_t* tile_grid, uint8_t* warp_cells) {
-  static_assert(D == 64 || D == 128, "the tile path holds D / 2 rotated coordinates per lane");
+  static_assert(D == 64 || D == 128 || D == 256, "the tile path holds D / 4 rotated coordinates per lane");
   static_assert(DTYPE == 0 || DTYPE == 1, "16-bit inputs");
   using PW = PlaneWidths<BITS>;
   constexpr int M = D / 32;  // 16-byte loads per row and lane
@@ -588,7 +588,7 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
   const float norm = 1.f / sqrtf(static_cast<float>(D));
   // The rotation's signs as masks of the sign bits of the input pairs (coordinates 2 j, 2 j + 1), in shared memory
   // after the tile grid (registers would cost occupancy): a lane reads its words 4 t + 16 m + 0..3 per 16-byte load.
-  uint32_t* sign_pairs = reinterpret_cast<uint32_t*>(tile_grid + MAX_TILE_GRID);
+  uint32_t* sign_pairs = reinterpret_cast<uint32_t*>(tile_grid + tile_grid_cells<D>());
   for (int j = threadIdx.x; j < D / 2; j += blockDim.x)
     sign_pairs[j] = (tab.signs[2 * j] < 0.f ? 0x8000u : 0u) | (tab.signs[2 * j + 1] < 0.f ? 0x80000000u : 0u);
   // B fragments of the two 8-column halves n3 (columns g + 8 n3): rows 2 t, 2 t + 1 and 2 t + 8, 2 t + 9.
@@ -786,16 +786,16 @@ __device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int
 
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
 // (the cell grid, boundaries, centroids and signs: at most 4 KB), loops over token blocks gridDim.x apart, and
-// arrives on p.arrivals when done.  TILES: long chunks of 16-bit vectors at D <= 128 take code_tiles (keys with a
-// transform keep code_tokens: the shift is not exact in 16 bits).
+// arrives on p.arrivals when done.  TILES: long appends of 16-bit vectors take code_tiles (keys with a transform keep
+// code_tokens: the shift is not exact in 16 bits), at 4 CTAs of 128 registers per SM up to D = 128 and 3 of 168 at 256.
 template <int D, int PL, int DTYPE, bool TILES>
-__global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? 4 : 1) quantize_append_kernel(const __grid_constant__ QuantizeParams p) {
+__global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1) quantize_append_kernel(const __grid_constant__ QuantizeParams p) {
   __shared__ __align__(16) uint8_t grid[MAX_GRID];
   __shared__ float bounds[256];
   __shared__ float centroids[256];
   __shared__ __align__(16) float signs[D];
   __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
-  __shared__ __align__(16) uint8_t tile_grid[TILES ? MAX_TILE_GRID + 2 * D : 1];  // and the sign pairs
+  __shared__ __align__(16) uint8_t tile_grid[TILES ? tile_grid_cells<D>() + 2 * D : 1];  // and the sign pairs
   const bool is_key = blockIdx.z == 0;
   const int bits = is_key ? p.k_bits : p.v_bits;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads;
@@ -884,9 +884,9 @@ int resident_ctas(int threads) {
 template <int D, int PL, int DTYPE, bool TILES>
 int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   constexpr int PER_WARP = TILES ? TILE_ROWS : QuantShape<D, PL>::VECTORS;  // tokens a warp codes per step
+  const int rows = 2 * batch * p.num_kv_heads;
   const int warps = min(MAX_WARPS, (p.tokens + PER_WARP - 1) / PER_WARP);
   const int blocks = (p.tokens + warps * PER_WARP - 1) / (warps * PER_WARP);
-  const int rows = 2 * batch * p.num_kv_heads;
   // One wave of resident CTAs over all (sequence, KV head, side) rows: long chunks keep the GPU full and each CTA's
   // staged tables serve many tokens.
   const int per_row = max(1, (resident_ctas<D, PL, DTYPE, TILES>(warps * 32) * sms) / rows);
@@ -898,9 +898,13 @@ int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
 template <int D, int DTYPE>
 int launch_for_shape(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   if (p.tokens <= SHORT_CHUNK) return launch<D, short_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
+  // The tile loop pays for its CTAs' set-up (the tile grid) over many tokens: at 2K tokens of one D = 256 head it took
+  // 22.7 us against the scalar loop's 12.7, at 1000 tokens of 8 D = 128 heads the same time (BENCHMARKS.md).
+  if (static_cast<long long>(batch) * p.num_kv_heads * p.tokens < TILE_MIN_TOKENS)
+    return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
   // Keys with a transform take code_tokens in the tile kernel too, at 16 coordinates per lane: at 32 its registers
   // would set the kernel's.
-  if constexpr (D <= 128 && DTYPE != 2) return launch<D, 16, DTYPE, true>(p, batch, sms, stream);
+  if constexpr (D <= 256 && DTYPE != 2) return launch<D, 16, DTYPE, true>(p, batch, sms, stream);
   else return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
 }
 
