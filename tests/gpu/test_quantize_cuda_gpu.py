@@ -140,7 +140,8 @@ def test_long_appends_every_width_and_rule(d, bits, rule, gen):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_long_appends_into_a_ring_with_ragged_lengths(d, gen):
     """The tile loop into a ring shorter than the chunk (only its last N tokens stay), with ragged lengths and
-    bfloat16 scales; a key transform sends the keys to the scalar loop and leaves the values on the tile loop."""
+    bfloat16 scales; then keys with a transform (the tile loop's three-part rotation up to D = 128, the scalar loop
+    at 256)."""
     codec = ta.KVCodec(d, 4, 3, scale_dtype=torch.bfloat16)
     fused, ref = _pair(codec, 2, 2, gen, sliding_window=300)
     inputs = []
@@ -152,9 +153,10 @@ def test_long_appends_into_a_ring_with_ragged_lengths(d, gen):
     assert torch.equal(fused.seen, ref.seen)
     assert_same(fused, ref, inputs)
     fused, ref = _pair(codec, 2, 2, gen, sliding_window=300)
-    shift = torch.randn(2, 2, d, generator=gen).cuda()
+    shift = torch.randn(2, 2, d, generator=gen).cuda() * 3
+    gain = torch.rand(2, 2, d, generator=gen).cuda() + 0.5
     for cache in (fused, ref):
-        cache.set_key_transform(shift, torch.ones_like(shift))
+        cache.set_key_transform(shift, gain)
     k = (shift[:, :, None] + torch.randn(2, 2, TILE_TOKENS, d, generator=gen).cuda()).bfloat16()
     v = torch.randn(2, 2, TILE_TOKENS, d, generator=gen).cuda().bfloat16()
     _append(fused, ref, k, v)

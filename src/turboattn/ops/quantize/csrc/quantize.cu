@@ -430,6 +430,40 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
   }
 }
 
+// Two 16-bit values of a word as float32 (exact).
+template <int DTYPE>
+__device__ __forceinline__ void to_floats(uint32_t w, float& lo, float& hi) {
+  if constexpr (DTYPE == 1) {
+    lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
+  } else {
+    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+}
+
+// c += A B, bfloat16 (the key transform's three-part split, below).
+__device__ __forceinline__ void mma_16816_bf16_acc(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// Two float32 values as bfloat16 parts a = hi + mid + lo, each pair packed as an A-fragment word: the residues are
+// exact in float32 and each part keeps 8 more bits, so the parts hold every bit of a float32 (whose own rounding
+// already happened in (k - shift) * gain), and their products with +-1 are exact in the MMA.
+__device__ __forceinline__ void split_bf16x3(float a, float b, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
+  auto pack = [](float x, float y) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  };
+  hi = pack(a, b);
+  a -= __uint_as_float(hi << 16), b -= __uint_as_float(hi & 0xffff0000u);
+  mid = pack(a, b);
+  a -= __uint_as_float(mid << 16), b -= __uint_as_float(mid & 0xffff0000u);
+  lo = pack(a, b);
+}
+
 // Entries (k, n) and (k + 1, n) of the 16 x 16 Sylvester matrix as two 16-bit values (+-1 in DTYPE).
 template <int DTYPE>
 __device__ __forceinline__ uint32_t sylvester_pair(int k, int n) {
@@ -571,7 +605,7 @@ __device__ __noinline__ void recode_row(const QuantizeParams& p, bool is_key, in
   code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, first_vector, slot, raw, tab, warp_cells);
 }
 
-template <int D, int DTYPE, int BITS>
+template <int D, int DTYPE, int BITS, bool TRANSFORM>  // TRANSFORM: built for keys with a transform (D <= 128)
 __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
                                            const Tables& tab, uint8_t* tile_grid, uint8_t* warp_cells) {
   static_assert(D == 64 || D == 128 || D == 256, "the tile path holds D / 4 rotated coordinates per lane");
@@ -594,6 +628,21 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
   // B fragments of the two 8-column halves n3 (columns g + 8 n3): rows 2 t, 2 t + 1 and 2 t + 8, 2 t + 9.
   const uint32_t b00 = sylvester_pair<DTYPE>(2 * t, g), b01 = sylvester_pair<DTYPE>(2 * t + 8, g);
   const uint32_t b10 = sylvester_pair<DTYPE>(2 * t, g + 8), b11 = sylvester_pair<DTYPE>(2 * t + 8, g + 8);
+  // Keys with a transform: this head's shift and gain, staged after the sign pairs, and B fragments in bfloat16 for
+  // the split inputs whatever the input dtype.
+  static_assert(!TRANSFORM || D <= 128, "at D = 256 the three-part rotation spilled 1.2 KB: keys keep code_tokens");
+  const bool transform = TRANSFORM && is_key && p.key_shift != nullptr;
+  float* key_shift = reinterpret_cast<float*>(tile_grid + tile_grid_cells<D>() + 2 * D);
+  float* key_gain = key_shift + D;
+  if (transform) {
+    static_assert(TILE_R == 1, "the transform's rotation codes one row per lane");
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+      key_shift[j] = p.key_shift[static_cast<size_t>(bh) * D + j];
+      key_gain[j] = p.key_gain[static_cast<size_t>(bh) * D + j];
+    }
+  }
+  const uint32_t k00 = sylvester_pair<1>(2 * t, g), k01 = sylvester_pair<1>(2 * t + 8, g);
+  const uint32_t k10 = sylvester_pair<1>(2 * t, g + 8), k11 = sylvester_pair<1>(2 * t + 8, g + 8);
   const TileGrid<BITS> tg = build_tile_grid<D, BITS>(tab, tile_grid);
   const char* src = static_cast<const char*>(is_key ? p.k : p.v);
   const long long stride_t = is_key ? p.k_stride_t : p.v_stride_t;
@@ -638,10 +687,39 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
       any &= 0x7fff7fffu;
       any |= __shfl_xor_sync(0xffffffffu, any, 1);
       any |= __shfl_xor_sync(0xffffffffu, any, 2);
-      zero[r] = any == 0u;
+      zero[r] = any == 0u && !transform;  // a transformed key is zero only if it equals the shift: coded again
     }
     // Rotate: y[r][q], q = e + 2 n3 + 4 i2 + 8 m (column 2 t + e of half n3, block (i2, m)).
     float y[TILE_R][Q];
+    if (TRANSFORM && transform) {
+      // Keys as the cache codes them, (k - shift) * gain in float32 (the reference's two roundings), rotated as three
+      // bfloat16 parts whose MMAs accumulate.  One row per lane.
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int i2 = 0; i2 < 2; ++i2) {
+          const int c0 = 8 * t + 32 * m + 4 * i2;
+          const float4 sh = *reinterpret_cast<const float4*>(key_shift + c0);
+          const float4 gn = *reinterpret_cast<const float4*>(key_gain + c0);
+          float e[4];
+          to_floats<DTYPE>(x[0][m][2 * i2], e[0], e[1]);
+          to_floats<DTYPE>(x[0][m][2 * i2 + 1], e[2], e[3]);
+          e[0] = (e[0] - sh.x) * gn.x, e[1] = (e[1] - sh.y) * gn.y;
+          e[2] = (e[2] - sh.z) * gn.z, e[3] = (e[3] - sh.w) * gn.w;
+          uint32_t part01[3], part23[3];
+          split_bf16x3(e[0], e[1], part01[0], part01[1], part01[2]);
+          split_bf16x3(e[2], e[3], part23[0], part23[1], part23[2]);
+          const uint2 sign = reinterpret_cast<const uint2*>(sign_pairs)[2 * t + 8 * m + i2];
+          float c0v[4] = {0.f, 0.f, 0.f, 0.f}, c1v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int part = 0; part < 3; ++part) {
+            mma_16816_bf16_acc(c0v, part01[part] ^ sign.x, part23[part] ^ sign.y, k00, k01);
+            mma_16816_bf16_acc(c1v, part01[part] ^ sign.x, part23[part] ^ sign.y, k10, k11);
+          }
+          const int q = 4 * i2 + 8 * m;
+          y[0][q] = c0v[0], y[0][q + 1] = c0v[1], y[0][q + 2] = c1v[0], y[0][q + 3] = c1v[1];
+        }
+    } else {
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -661,6 +739,7 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
         y[0][q + 2] = c[0], y[0][q + 3] = c[1];
         if constexpr (TILE_R == 2) y[TILE_R - 1][q + 2] = c[2], y[TILE_R - 1][q + 3] = c[3];
       }
+    }
 #pragma unroll
     for (int s = 4; s < Q; s <<= 1)
 #pragma unroll
@@ -786,20 +865,23 @@ __device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int
 
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
 // (the cell grid, boundaries, centroids and signs: at most 4 KB), loops over token blocks gridDim.x apart, and
-// arrives on p.arrivals when done.  TILES: long appends of 16-bit vectors take code_tiles (keys with a transform keep
-// code_tokens: the shift is not exact in 16 bits), at 4 CTAs of 128 registers per SM up to D = 128 and 3 of 168 at 256.
-template <int D, int PL, int DTYPE, bool TILES>
+// arrives on p.arrivals when done.  TILES: long appends of 16-bit vectors take code_tiles, at 4 CTAs of 128 registers
+// per SM up to D = 128 and 3 of 168 at 256; TRANSFORM: its build for keys with a transform (D <= 128).
+template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM>
 __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1) quantize_append_kernel(const __grid_constant__ QuantizeParams p) {
   __shared__ __align__(16) uint8_t grid[MAX_GRID];
   __shared__ float bounds[256];
   __shared__ float centroids[256];
   __shared__ __align__(16) float signs[D];
   __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
-  __shared__ __align__(16) uint8_t tile_grid[TILES ? tile_grid_cells<D>() + 2 * D : 1];  // and the sign pairs
+  // The tile grid, the sign pairs and a transformed key side's shift and gain.
+  __shared__ __align__(16) uint8_t tile_grid[TILES ? tile_grid_cells<D>() + (TRANSFORM ? 10 : 2) * D : 1];
   const bool is_key = blockIdx.z == 0;
   const int bits = is_key ? p.k_bits : p.v_bits;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads;
-  const bool tiles = TILES && !(is_key && p.key_shift != nullptr);
+  // Keys with a transform take the tile loop in the kernel built for them (TRANSFORM, D <= 128; the launch sends them
+  // nowhere else), code_tokens otherwise.
+  const bool tiles = TILES && !(is_key && p.key_shift != nullptr && !TRANSFORM);
   const int grid_size = is_key ? p.k_grid_size : p.v_grid_size;
   const Tables tab{grid, bounds, centroids, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
                    is_key ? p.k_grid_scale : p.v_grid_scale, grid_size};
@@ -829,12 +911,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
     stage(at, start);
     if constexpr (TILES) {
       switch (bits) {
-        case 2: code_tiles<D, DTYPE, 2>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
-        case 3: code_tiles<D, DTYPE, 3>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
-        case 4: code_tiles<D, DTYPE, 4>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
-        case 5: code_tiles<D, DTYPE, 5>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
-        case 6: code_tiles<D, DTYPE, 6>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
-        case 8: code_tiles<D, DTYPE, 8>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 2: code_tiles<D, DTYPE, 2, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 3: code_tiles<D, DTYPE, 3, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 4: code_tiles<D, DTYPE, 4, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 5: code_tiles<D, DTYPE, 5, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 6: code_tiles<D, DTYPE, 6, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
+        case 8: code_tiles<D, DTYPE, 8, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
       }
     }
   } else {
@@ -870,18 +952,19 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
   }
 }
 
-// CTAs of quantize_append_kernel<D, PL, DTYPE, TILES> resident per SM (registers and shared memory), asked once.
-template <int D, int PL, int DTYPE, bool TILES>
+// CTAs of quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM> resident per SM (registers and shared memory), asked
+// once.
+template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM>
 int resident_ctas(int threads) {
   static int per_sm[MAX_WARPS + 1] = {};
   const int warps = threads / 32;
   if (per_sm[warps] == 0)
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[warps], quantize_append_kernel<D, PL, DTYPE, TILES>,
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[warps], quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM>,
                                                   threads, 0);
   return per_sm[warps];
 }
 
-template <int D, int PL, int DTYPE, bool TILES>
+template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM = false>
 int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   constexpr int PER_WARP = TILES ? TILE_ROWS : QuantShape<D, PL>::VECTORS;  // tokens a warp codes per step
   const int rows = 2 * batch * p.num_kv_heads;
@@ -889,9 +972,9 @@ int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   const int blocks = (p.tokens + warps * PER_WARP - 1) / (warps * PER_WARP);
   // One wave of resident CTAs over all (sequence, KV head, side) rows: long chunks keep the GPU full and each CTA's
   // staged tables serve many tokens.
-  const int per_row = max(1, (resident_ctas<D, PL, DTYPE, TILES>(warps * 32) * sms) / rows);
+  const int per_row = max(1, (resident_ctas<D, PL, DTYPE, TILES, TRANSFORM>(warps * 32) * sms) / rows);
   const dim3 grid(min(blocks, per_row), batch * p.num_kv_heads, 2);
-  quantize_append_kernel<D, PL, DTYPE, TILES><<<grid, warps * 32, 0, stream>>>(p);
+  quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM><<<grid, warps * 32, 0, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -904,6 +987,13 @@ int launch_for_shape(const QuantizeParams& p, int batch, int sms, cudaStream_t s
     return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
   // Keys with a transform take code_tokens in the tile kernel too, at 16 coordinates per lane: at 32 its registers
   // would set the kernel's.
+  // A key transform gets its own build of the tile kernel: its three-part rotation's registers (124 bytes spilled at
+  // 128) made the plain appends 6% slower when both lived in one kernel.  At D = 256 it takes the scalar kernel: the
+  // tile kernel's keys through code_tokens (3 CTAs of 168 registers) took 232 us where the scalar kernel takes 194.
+  if (p.key_shift != nullptr) {
+    if constexpr (D <= 128 && DTYPE != 2) return launch<D, 16, DTYPE, true, true>(p, batch, sms, stream);
+    return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
+  }
   if constexpr (D <= 256 && DTYPE != 2) return launch<D, 16, DTYPE, true>(p, batch, sms, stream);
   else return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
 }
