@@ -374,10 +374,54 @@ struct Placement {
   __device__ __forceinline__ int slot(int t) const { return ring ? (slot0 + t) % capacity : slot0 + t; }
 };
 
+// A decode step's exact rows, written from the registers that hold the token for its coding (the short path), rather
+// than read again by copy_exact_rows: the lane's PL raw values go to the recent window's row (slot0 + t) % R when t is
+// among the chunk's last R tokens, and to first row t + slot0 - start when that is one of the S first rows.  For rows of
+// the input's dtype, 16-byte aligned (exact_rows_inline checks).
+struct ExactInline {
+  int n_new, slot0, start;
+};
+
+template <int D, int PL, int DTYPE>
+__device__ __forceinline__ void write_exact_rows(const QuantizeParams& p, int side, int b, int h, int t,
+                                                 const RawRow<DTYPE, PL>& raw, const ExactInline& ex) {
+  constexpr int SIZE = DTYPE == 2 ? 4 : 2;
+  constexpr int BYTES = RawRow<DTYPE, PL>::BYTES;
+  const int sub = (threadIdx.x % 32) % QuantShape<D, PL>::L;
+  auto put = [&](void* rows, const long long (&st)[3], int row) {
+    char* dst = static_cast<char*>(rows) + (b * st[0] + h * st[1] + row * st[2] + sub * PL) * SIZE;
+    if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < BYTES / 16; ++i)
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(raw.w[4 * i], raw.w[4 * i + 1], raw.w[4 * i + 2], raw.w[4 * i + 3]);
+    } else {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(raw.w[0], raw.w[1]);
+    }
+  };
+  if (p.exact_recent > 0 && t >= ex.n_new - p.exact_recent) put(p.recent[side], p.recent_stride[side], (ex.slot0 + t) % p.exact_recent);
+  const int first_row = t + ex.slot0 - ex.start;
+  if (p.exact_first > 0 && first_row >= 0 && first_row < p.exact_first) put(p.first[side], p.first_stride[side], first_row);
+}
+
+// Whether this side's exact rows take write_exact_rows: the input's dtype, every row 16-byte aligned.
+template <int DTYPE>
+__device__ __forceinline__ bool exact_rows_inline(const QuantizeParams& p, int side, int b, int h) {
+  if (p.exact_recent == 0 && p.exact_first == 0) return false;
+  if (p.exact_dtype != DTYPE) return false;
+  constexpr int SIZE = DTYPE == 2 ? 4 : 2;
+  auto aligned = [&](const void* rows, const long long (&st)[3]) {
+    return ((reinterpret_cast<uintptr_t>(rows) | static_cast<unsigned long long>(b * st[0] + h * st[1] | st[2]) * SIZE) &
+            15) == 0;
+  };
+  return (p.exact_recent == 0 || aligned(p.recent[side], p.recent_stride[side])) &&
+         (p.exact_first == 0 || aligned(p.first[side], p.first_stride[side]));
+}
+
 // Code this CTA's tokens of one (sequence, KV head) and side, PL coordinates per lane.
 template <int D, int PL, int DTYPE, int BITS>
 __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
-                                            const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows) {
+                                            const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows,
+                                            const ExactInline* exact) {
   using S = QuantShape<D, PL>;
   const int tokens_per_cta = (blockDim.x / 32) * S::VECTORS;
   const int step = gridDim.x * tokens_per_cta;
@@ -390,6 +434,8 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
     t_next = t + step;
     if (at.stored(t_next)) rows.fetch(t_next, next);
     code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, at.stored(t), at.slot(t), raw, tab, warp_cells);
+    if (exact != nullptr && t < at.n_new)
+      write_exact_rows<D, PL, DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads, t, raw, *exact);
   }
 }
 
@@ -905,6 +951,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
   };
   Placement at;
   int start;
+  bool inline_exact = false;  // the exact rows written by code_tokens
   uint8_t* warp_cells = cells[threadIdx.x / 32];
   // Two disjoint branches, so that nothing of one is live in the other.
   if (TILES && tiles) {
@@ -924,17 +971,22 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
     // address), so that a decode step waits for one round trip to memory rather than three.
     const Rows<DTYPE, PL> rows = first_rows<D, PL, DTYPE>(p, is_key, b, bh % p.num_kv_heads);
     stage(at, start);
+    // A decode step (the short path) writes the exact rows from the registers it codes the tokens from.
+    ExactInline exact{at.n_new, at.slot0, start};
+    if constexpr (PL == short_chunk_per_lane<D>())
+      inline_exact = exact_rows_inline<DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads);
+    const ExactInline* ex = inline_exact ? &exact : nullptr;
     switch (bits) {
-      case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
-      case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
-      case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
-      case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
-      case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
-      case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, at, tab, warp_cells, rows); break;
+      case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
+      case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
+      case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
+      case 5: code_tokens<D, PL, DTYPE, 5>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
+      case 6: code_tokens<D, PL, DTYPE, 6>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
+      case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
     }
   }
   const int n_new = at.n_new, slot0 = at.slot0;
-  if (p.exact_recent > 0 || p.exact_first > 0)
+  if ((p.exact_recent > 0 || p.exact_first > 0) && !inline_exact)
     copy_exact_rows<D, DTYPE>(p, is_key, b, bh % p.num_kv_heads, n_new, slot0, start);
   // The last CTA of this sequence to arrive advances its length.  Every thread read it (slot0) at the start and used
   // the value before this barrier, so no read can still be pending when the count completes: no fence is needed, and
