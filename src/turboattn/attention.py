@@ -142,8 +142,8 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     do not ignore it, so they need a transform without shift.
     """
     # Every layer of every decode step runs this.  A call that repeats the signature of the last one on this cache
-    # (_DecodeStep) passes every check below for the same reasons: it is checked in one expression and goes straight to
-    # the implementation.  Not while torch.compile traces: the graph holds the checks and the op.
+    # (_DecodeStep) would pass every check of _checked_attention for the same reasons: it is checked in one expression
+    # and goes straight to the implementation.  Not while torch.compile traces: the graph holds the checks and the op.
     if not torch.compiler.is_compiling() and isinstance(cache, QuantizedKVCache):
         step = cache._attention_step
         if (step is not None and sinks is None and plan is None and num_splits is None and backend == "auto"
@@ -159,6 +159,13 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
                 keys = min(cache.max_seen, step.capacity)
                 step_plan = step.plans.get(keys) or step.plan_for(keys)
             return step.launch(q, k, v, step_plan)
+    return _checked_attention(q, cache, k, v, scale, softcap, sinks, backend, num_splits, plan)
+
+
+def _checked_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor | None, v: torch.Tensor | None,
+                       scale: float | None, softcap: float | None, sinks: torch.Tensor | None, backend: str,
+                       num_splits: int | None, plan: DecodePlan | None) -> torch.Tensor:
+    """cached_attention's checks, choice of implementation and call; its _DecodeStep for the next call."""
     # Each fact is read once (tensor attributes, cache fields), and checks that need a call run only where they can
     # fail.
     if not isinstance(cache, QuantizedKVCache):
