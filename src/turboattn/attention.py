@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 
 import torch
+from torch import Tensor
 
 from .cache import QuantizedKVCache
 from .format.codec import ATTENTION_DTYPES, META_DEVICE, check_attention_dtype
-from .ops.library import run, run_cached_attention
+from .ops import backend as registry
+from .ops.library import capacity_plan, decode_launcher, run, run_cached_attention
 from .ops.backend import choose
 from .ops.cached.config import DecodePlan, plan_decode
 
@@ -60,6 +63,52 @@ def _check_options(hq: int, device, scale, softcap, sinks, alibi_slopes=None) ->
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
+class _DecodeStep:
+    """What cached_attention derived from a call with fresh k, v (backend "auto", no sinks, plan or num_splits), kept
+    on the cache (`_attention_step`) for the next call of the same signature: every layer of a decode loop repeats
+    its call every step.  The signature that passed the checks (shapes, dtype, device, scale, softcap), the
+    implementation's launcher for it (library.decode_launcher: the cache's layout and codec bound), and the plan of a
+    static cache (a growing cache's depends on its lengths: planned each call).  The cache drops it when its tensors
+    change (_tensors_changed), and the registry's generation dates the implementation's choice."""
+
+    __slots__ = ("q_shape", "kv_shape", "dtype", "device", "scale", "softcap", "generation", "launch", "plan",
+                 "plan_head", "plan_tail", "plans", "capacity")
+
+    def __init__(self, q: Tensor, cache: QuantizedKVCache, scale: float | None, softcap: float | None, impl: str):
+        b, hq, tq, d = q.shape
+        hkv, codec, layout = cache.num_kv_heads, cache.codec, cache.layout
+        self.q_shape, self.kv_shape = q.shape, torch.Size((b, hkv, tq, d))
+        self.dtype, self.device, self.scale, self.softcap = q.dtype, q.device, scale, softcap
+        self.generation = registry.generation
+        self.launch = decode_launcher(q, layout, codec, scale, softcap, impl)
+        self.capacity = cache.capacity
+        exact = layout.exact_recent > 0 or layout.exact_first > 0
+        # cached_attention's plans: a static cache's for its capacity, once; a growing cache's for the keys it holds,
+        # plan_decode(*plan_head, keys, *plan_tail), looked up in `plans` (shared by the layers that plan alike).
+        self.plan = capacity_plan(q, layout, codec.k_bits, codec.v_bits, None, impl) if cache.is_static else None
+        self.plan_head = (q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv))
+        self.plan_tail = (None, None, impl, exact)
+        self.plans = _plans(self.plan_head, self.plan_tail)
+
+    def plan_for(self, keys: int) -> DecodePlan:
+        """The plan for `keys` held (a growing cache's; cached_attention's plan_decode call), kept in `plans`."""
+        plans = self.plans
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plan = plans[keys] = plan_decode(*self.plan_head, keys, *self.plan_tail)
+        return plan
+
+
+# A growing cache's decode step plans for a new number of keys every step, the same in every layer: one dict lookup
+# per layer, where plan_decode's lru_cache hashes its eleven arguments.  Each table keeps the last _MAX_PLANS.
+_MAX_PLANS = 4096
+
+
+@lru_cache(maxsize=None)
+def _plans(plan_head: tuple, plan_tail: tuple) -> dict[int, DecodePlan]:
+    return {}
+
+
 def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor | None = None,
                      v: torch.Tensor | None = None, scale: float | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None,
@@ -92,8 +141,33 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
     from q . k by a per-query constant that softmax ignores.  Softcap and sinks
     do not ignore it, so they need a transform without shift.
     """
-    # Every layer of every decode step runs this: each fact is read once (tensor attributes, cache fields), and
-    # checks that need a call run only where they can fail.
+    # Every layer of every decode step runs this.  A call that repeats the signature of the last one on this cache
+    # (_DecodeStep) would pass every check of _checked_attention for the same reasons: it is checked in one expression
+    # and goes straight to the implementation.  Not while torch.compile traces: the graph holds the checks and the op.
+    if not torch.compiler.is_compiling() and isinstance(cache, QuantizedKVCache):
+        step = cache._attention_step
+        if (step is not None and sinks is None and plan is None and num_splits is None and backend == "auto"
+                and (scale is step.scale or type(scale) is float and scale == step.scale)
+                and (softcap is step.softcap or type(softcap) is float and softcap == step.softcap)
+                and isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+                and q.shape == step.q_shape and k.shape == step.kv_shape and v.shape == step.kv_shape
+                and q.dtype is step.dtype and k.dtype is step.dtype and v.dtype is step.dtype
+                and q.device == step.device and k.device == step.device and v.device == step.device
+                and step.generation == registry.generation):
+            step_plan = step.plan
+            if step_plan is None:
+                keys = min(cache.max_seen, step.capacity)
+                step_plan = step.plans.get(keys) or step.plan_for(keys)
+            return step.launch(q, k, v, step_plan)
+    return _checked_attention(q, cache, k, v, scale, softcap, sinks, backend, num_splits, plan)
+
+
+def _checked_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor | None, v: torch.Tensor | None,
+                       scale: float | None, softcap: float | None, sinks: torch.Tensor | None, backend: str,
+                       num_splits: int | None, plan: DecodePlan | None) -> torch.Tensor:
+    """cached_attention's checks, choice of implementation and call; its _DecodeStep for the next call."""
+    # Each fact is read once (tensor attributes, cache fields), and checks that need a call run only where they can
+    # fail.
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a turboattn.QuantizedKVCache, got {type(cache).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in ATTENTION_DTYPES:
@@ -136,6 +210,7 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
 
     if plan is not None and not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a turboattn.ops.cached.config.DecodePlan, got {type(plan).__name__}")
+    plan_given = plan
 
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
@@ -151,8 +226,12 @@ def cached_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor |
                            num_splits, None, impl, layout.exact_recent > 0 or layout.exact_first > 0)
     # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every
     # step, where the lengths held now would be a host read that changes every step.
-    return run_cached_attention(q, layout, codec, k, v, sinks, None if scale is None else float(scale),
-                                None if softcap is None else float(softcap), plan, num_splits, impl)
+    scale, softcap = None if scale is None else float(scale), None if softcap is None else float(softcap)
+    out = run_cached_attention(q, layout, codec, k, v, sinks, scale, softcap, plan, num_splits, impl)
+    if (k is not None and sinks is None and num_splits is None and plan_given is None and backend == "auto"
+            and not torch.compiler.is_compiling()):
+        cache._attention_step = _DecodeStep(q, cache, scale, softcap, impl)
+    return out
 
 
 def _float(x):

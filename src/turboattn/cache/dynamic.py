@@ -56,10 +56,11 @@ import torch
 from ..format.codec import ATTENTION_DTYPES, META_DEVICE, KVCodec, check_attention_dtype
 from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
+from ..ops import backend as registry
 from ..ops.backend import check_backend, choose
 from ..ops.cached.config import CUDA_COUNTERS_PER_HEAD
 from ..ops.device_tables import allocate_device_tables
-from ..ops.library import run_quantize_append
+from ..ops.library import append_launcher, run_quantize_append
 
 
 def _is_int(x) -> bool:
@@ -154,8 +155,9 @@ class QuantizedKVCache:
             first_shape = (batch_size, num_kv_heads, exact_first, codec.head_dim)
             self.first_k = torch.zeros(first_shape, dtype=exact_dtype, device=self.device)
             self.first_v = torch.zeros(first_shape, dtype=exact_dtype, device=self.device)
-        # The host copy of `seen` (growing mode only); a static cache keeps just whether anything was
-        # appended (`_empty`, a flag that stays put during decoding, so compiled code need not re-specialize).
+        # The host copy of `seen` (growing mode only).  `_empty` is is_empty: a growing cache's max(_seen_host) == 0,
+        # kept by every change of _seen_host (a decode step asks twice per layer); a static cache's, whether anything
+        # was appended (a flag that stays put during decoding, so compiled code need not re-specialize).
         self._seen_host: list[int] | None = None if static else [0] * batch_size
         self._empty = True
         # A host bound on `starts` (every edit of starts raises it or keeps it valid): once each sequence of a growing
@@ -167,6 +169,10 @@ class QuantizedKVCache:
         self._key_shifted = False
         self._key_buffers: tuple[torch.Tensor, ...] | None = None   # static: the transform's fixed storage
         self._layouts: tuple[CacheLayout, CacheLayout | None] | None = None   # `layout`'s, see _layout_views
+        # What a decode step derives once (eager only; dropped when the tensors change): attention.py's _DecodeStep for
+        # the next call of cached_attention, and _append_validated's launchers (_new_append_launches).
+        self._attention_step = None
+        self._append_launches: tuple | None = None
         self._mark_static()
         if self.device.type == "cuda":
             allocate_device_tables(codec, self.device)   # before any CUDA graph (ops/device_tables.py)
@@ -203,8 +209,11 @@ class QuantizedKVCache:
         return self._new_layout(), without_first
 
     def _tensors_changed(self) -> None:
-        """Called by every method that assigns a field of the layout (a tensor, the key transform's flag)."""
+        """Called by every method that assigns a field of the layout (a tensor, the key transform's flag) or changes a
+        fact that cached_attention checks (the batch size, the key shift)."""
         self._layouts = None
+        self._attention_step = None
+        self._append_launches = None
 
     @property
     def is_ring(self) -> bool:
@@ -224,8 +233,7 @@ class QuantizedKVCache:
     def is_empty(self) -> bool:
         """Whether no token is held: read on the host without a sync in both modes (a static cache
         tracks whether anything was appended since creation, reset or a crop to zero)."""
-        seen_host = self._seen_host
-        return self._empty if seen_host is None else max(seen_host) == 0
+        return self._empty
 
     @property
     def max_seen(self) -> int:
@@ -489,6 +497,7 @@ class QuantizedKVCache:
                     setattr(self, name, picked)
         if not self.is_static:
             self._seen_host = [self._seen_host[i] for i in idx]
+            self._empty = max(self._seen_host) == 0
         if not in_place:
             self.batch_size = len(idx)
             self._key_buffers = None   # sized for the old batch; a static cache allocates new ones on demand
@@ -604,12 +613,46 @@ class QuantizedKVCache:
         run_quantize_append(k, v, layout, n_dev, codec, impl)
         if seen_host is None:
             self._empty = False
+        elif n is None:
+            self._seen_host = [s + t for s in seen_host]
+            self._empty = False   # t >= 1 (check_kv)
         else:
-            self._seen_host = [s + t for s in seen_host] if n is None else list(map(add, seen_host, n))
+            self._seen_host = list(map(add, seen_host, n))
+            self._empty = max(self._seen_host) == 0
 
-    # append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step of the
-    # transformers integration validates its new tokens once, not twice.  The same function (one call less per step).
-    _append_validated = _append
+    def _append_validated(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """append(k, v) of k, v that cached_attention(q, self, k, v) has just accepted (check_kv): a decode step of the
+        transformers integration checks its new tokens once.  Eagerly, _append's work for all T tokens real, through
+        the launchers of the implementation "auto" chooses (library.append_launcher), made once per layout."""
+        if torch.compiler.is_compiling():
+            self._append(k, v)
+            return
+        t = k.shape[2]
+        seen_host = self._seen_host   # None: static
+        if seen_host is not None and self.sliding_window is None and max(seen_host) + t > self.capacity:
+            self._append(k, v)   # its ValueError, before anything is written
+            return
+        launches = self._append_launches
+        if launches is None or launches[0] != registry.generation:
+            launches = self._new_append_launches(k.device)
+        launch, without_first = launches[1], launches[2]
+        if without_first is not None and self._first_rows_full():
+            launch = without_first   # every first row is written: the op has none to copy
+        launch(k, v)   # codes, exact rows and seen (the device's)
+        if seen_host is not None:
+            self._seen_host = [s + t for s in seen_host]
+        self._empty = False   # t >= 1 (check_kv)
+
+    def _new_append_launches(self, device: torch.device) -> tuple:
+        """(registry generation, the launcher for the layout, the one for the layout without the first rows or None),
+        for _append_validated until the tensors change (_tensors_changed) or the registry does."""
+        codec = self.codec
+        impl = choose("quantize_append", "auto", device, codec.head_dim)
+        layout, without_first = self._layout_views()
+        launches = self._append_launches = (
+            registry.generation, append_launcher(layout, codec, impl),
+            None if without_first is None else append_launcher(without_first, codec, impl))
+        return launches
 
     def _first_rows_full(self) -> bool:
         """Whether no append can write a first-token row: every sequence of a growing cache holds positions up to

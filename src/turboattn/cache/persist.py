@@ -166,9 +166,8 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     for name in _PER_SEQUENCE:
         getattr(cache, name).copy_(tensor(name, torch.int32, (b,)))
     cache._starts_bound = int(cache.starts.max())   # the host bound on starts that appends rely on (dynamic.py)
-    if static:
-        cache._empty = int(seen.max()) == 0
-    else:
+    cache._empty = int(seen.max()) == 0
+    if not static:
         cache._seen_host = seen.tolist()
     return cache
 

@@ -74,6 +74,12 @@ class CacheLayout:
     first_v: torch.Tensor | None = None
     exact_first: int = 0
 
+    def __post_init__(self):
+        # What an op derives from the layout alone (the CUDA wrappers: their launches' fixed arguments), by the op's
+        # key.  A cache hands out one layout until its tensors change, so a decode step derives it once.  Not a field:
+        # the fields are the cache's tensors and flags (dataclasses.replace makes a layout that starts empty).
+        self.derived: dict = {}
+
     @property
     def batch_size(self) -> int:
         return self.k_codes.shape[0]

@@ -37,11 +37,17 @@ class Implementation:
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
 
+# Counts register() calls: a choice remembered past one call (a cache's decode step, attention.py) is stale once it
+# changes.
+generation = 0
+
 
 def register(op: str, name: str, target: str, *, priority: int, devices: tuple[str, ...],
              requires: tuple[str, ...] = (), head_dims: tuple[int, ...] | None = None) -> None:
+    global generation
     _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires, head_dims)
     _auto.cache_clear()
+    generation += 1
 
 
 def implementations(op: str) -> list[Implementation]:

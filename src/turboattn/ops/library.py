@@ -82,6 +82,47 @@ def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | 
         body(k, v, layout, codec, new_lengths, advance)
 
 
+def eager_body(op: str, impl: str):
+    """The body of `op`'s implementation `impl` as the eager path runs it (what _attend and _append_to call): under the
+    device guard of its first argument's device unless it guards its launches itself (SELF_GUARDED).  A cache's decode
+    step keeps it while the registry stays as it is (backend.generation)."""
+    body = backend.load(op, impl)
+    if impl == SELF_GUARDED:
+        return body
+
+    def guarded(x, *args):
+        with _on(x.device):
+            return body(x, *args)
+    return guarded
+
+
+def decode_launcher(q: Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None, softcap: float | None,
+                    impl: str):
+    """launch(q, k, v, plan): cached_attention's body on this layout and codec with fresh k, v, this scale and softcap
+    and no sinks, for calls of q, k, v of this signature (attention.py's _DecodeStep checks it).  The CUDA
+    implementation's launcher derives its launch arguments once (cuda.decode_launcher); any other's binds them."""
+    if impl == SELF_GUARDED:
+        from .cached import cuda   # imports Triton: only where it runs
+        launch = cuda.decode_launcher(q, layout, codec, scale, softcap)
+        if launch is not None:
+            return launch
+    body = eager_body("cached_attention", impl)
+    return lambda q, k, v, plan: body(q, layout, codec, k, v, scale, softcap, None, plan)
+
+
+def append_launcher(layout: CacheLayout, codec: KVCodec, impl: str):
+    """launch(k, v): quantize_append's body on this layout and codec (every token real, seen advanced), for k, v that
+    the cache has checked (a decode step's append).  The CUDA implementation's launcher derives its launch arguments
+    once (quantize/cuda.append_launcher); any other's binds them."""
+    if impl == SELF_GUARDED:
+        from .quantize import cuda   # imports Triton: only where it runs
+        launch = cuda.append_launcher(layout, codec)
+        if launch is not None:
+            return launch
+    body = eager_body("quantize_append", impl)
+    return lambda k, v: body(k, v, layout, codec, None, True)
+
+
 def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, codec: KVCodec,
                         impl: str) -> None:
     """Append k, v to a cache's layout, coded with the cache's codec: codes, exact rows, and seen advanced by the
@@ -133,14 +174,14 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
     if len(plan) > 1:
         decode_plan = DecodePlan.from_list(plan)
     else:
-        decode_plan = _capacity_plan(q, layout, k_bits, v_bits, plan[0] if plan else None, impl)
+        decode_plan = capacity_plan(q, layout, k_bits, v_bits, plan[0] if plan else None, impl)
     # The scale rule does not matter to decoding: any codec of these bits and scale dtype reads the cache.
     codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", k_scales.dtype)
     return _attend(q, layout, codec, k, v, sinks, scale, softcap, decode_plan, impl)
 
 
-def _capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num_splits: int | None,
-                   impl: str) -> DecodePlan:
+def capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num_splits: int | None,
+                  impl: str) -> DecodePlan:
     """The plan for the cache's capacity (a static cache's, the same every step)."""
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
@@ -175,7 +216,7 @@ def run_cached_attention(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tens
             layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v,
             layout.exact_first, impl)
     if plan is None:
-        plan = _capacity_plan(q, layout, k_bits, v_bits, num_splits, impl)
+        plan = capacity_plan(q, layout, k_bits, v_bits, num_splits, impl)
     return _attend(q, layout, codec, k, v, sinks, scale, softcap, plan, impl)
 
 

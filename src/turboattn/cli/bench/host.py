@@ -13,10 +13,11 @@ instead of a kernel launch.
 Each piece is timed where the model calls it, between the model's own code (a loop calling one function alone
 runs it about twice as fast, its code and data hot in the CPU's caches); µs per layer and step, medians:
 - `layer step`: TurboQuantLayer.update plus the "turboattn" attention function: everything turboattn does;
-- `cached_attention`: the step's ta.cached_attention call, of which `cuda wrapper` is the kernel's wrapper;
-- `store`: the step's TurboQuantLayer.store (the cache's append), of which `cuda append wrapper` is the kernel's
+- `cached_attention`: the step's ta.cached_attention call, of which `cuda wrapper` is the kernel's wrapper (a decode
+  step's launcher: ops/cached/cuda.py's decode_launcher);
+- `append`: the step's append (QuantizedKVCache._append_validated), of which `cuda append wrapper` is the kernel's
   wrapper;
-- `glue`: the layer step less the two calls (the handoff, the cache layer's checks, the output's layout).
+- `glue`: the layer step less the two calls (the handoff, the cache layer's checks and growth, the output's layout).
 `--profile` prints cProfile's busiest functions of turboattn over the decode steps.
 """
 
@@ -37,7 +38,7 @@ from ..args import non_negative_int, positive_int, preset
 from .args import add_out
 from .common import print_table, write_results
 
-PIECES = ("layer step", "cached_attention", "cuda wrapper", "store", "cuda append wrapper", "glue")
+PIECES = ("layer step", "cached_attention", "cuda wrapper", "append", "cuda append wrapper", "glue")
 
 
 def add_arguments(parser) -> None:
@@ -88,9 +89,17 @@ def stubbed_gpu_path(wrap=lambda name, fn: fn):
     saved = [backend._REGISTRY[op]["cuda"] for op in ("cached_attention", "quantize_append")]
     patches = [(module, name, value) for module in (cuda, quantize_cuda)
                for name, value in (("extension", lambda: _StubExtension), ("capable", lambda device: True))]
+    def timed_launchers(name, make):   # a decode step's launches (library.*_launcher): the wrappers' fast paths
+        def timed(*args):
+            launch = make(*args)
+            return None if launch is None else wrap(name, launch)
+        return timed
     patches += [(cuda, "cached_attention_cuda", wrap("cuda wrapper", cuda.cached_attention_cuda)),
+                (cuda, "decode_launcher", timed_launchers("cuda wrapper", cuda.decode_launcher)),
                 (quantize_cuda, "quantize_append_cuda",
-                 wrap("cuda append wrapper", quantize_cuda.quantize_append_cuda))]
+                 wrap("cuda append wrapper", quantize_cuda.quantize_append_cuda)),
+                (quantize_cuda, "append_launcher",
+                 timed_launchers("cuda append wrapper", quantize_cuda.append_launcher))]
     try:
         for impl in saved:
             _register(dataclasses.replace(impl, devices=(*impl.devices, "cpu")))
@@ -149,7 +158,7 @@ class _Timers:
         # A layer step is an update and an attention call, back to back in every attention module.
         steps = [u + a for u, a in zip(s.pop("update"), s.pop("attention"))]
         s["layer step"] = steps
-        s["glue"] = [x - c - p for x, c, p in zip(steps, s["cached_attention"], s["store"])]
+        s["glue"] = [x - c - p for x, c, p in zip(steps, s["cached_attention"], s["append"])]
         return {name: 1e6 * statistics.median(s[name]) for name in PIECES}
 
 
@@ -158,11 +167,12 @@ def _timed_model(timers: _Timers):
     """Inside: the model's calls of turboattn are timed into `timers` (stubbed_gpu_path wraps the kernel wrappers)."""
     from transformers import AttentionInterface
 
+    from ...cache import QuantizedKVCache
     from ...integrations import hf
     timers.samples.update(update=[], attention=[])
     patches = [(hf.TurboQuantLayer, "update", timers.wrap("update", hf.TurboQuantLayer.update)),
                (hf, "cached_attention", timers.wrap("cached_attention", hf.cached_attention)),
-               (hf.TurboQuantLayer, "store", timers.wrap("store", hf.TurboQuantLayer.store))]
+               (QuantizedKVCache, "_append_validated", timers.wrap("append", QuantizedKVCache._append_validated))]
     AttentionInterface.register(hf.ATTN_NAME, timers.wrap("attention", hf.turboattn_attention))
     try:
         with _patched(patches):

@@ -19,8 +19,8 @@ from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
-from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, DecodePlan, cuda_kernel_serves,
-                     cuda_merge_group, plan_decode)
+from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
+                     cuda_kernel_serves, cuda_merge_group, plan_decode)
 from .triton import cached_attention_triton, query_scale
 
 
@@ -41,28 +41,25 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
                           softcap: float | None = None, sinks: torch.Tensor | None = None,
                           plan: DecodePlan | None = None) -> torch.Tensor:
     """cached_attention_triton's contract; runs the CUDA kernel when it serves the call."""
-    # Every layer of every decode step runs this up to the launch: layout fields are read directly rather than
-    # through the layout's properties, each once.
+    # What comes from the layout and codec alone is derived once per layout (a decode step's launcher skips the rest).
+    fixed = _layout_args(layout, codec)
     b, hq, tq, d = q.shape
-    k_codes = layout.k_codes
-    hkv = k_codes.shape[1]
+    hkv = fixed.num_kv_heads
     rows = tq * (hq // hkv)
-    dev = q.device
-    serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, rows) and capable(dev)   # _serves, inline
-    ext = extension() if serves else None
-    exact_recent, exact_first = layout.exact_recent, layout.exact_first
-    exact = exact_recent > 0 or exact_first > 0
+    # cuda_kernel_serves and the GPU: the head dim, bits and device in fixed.serves, the rows here.
+    ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
     if ext is not None and plan is None:
-        plan = plan_decode(dev, d, codec.k_bits, codec.v_bits, b * hkv, rows, k_codes.shape[2], None, None, "cuda",
-                           exact)
-    num_parts = plan.num_splits + exact if ext is not None else 0   # the exact part is one more
+        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, fixed.capacity, None, None, "cuda",
+                           fixed.exact)
+    num_parts = plan.num_splits + fixed.exact if ext is not None else 0   # the exact part is one more
     if ext is None or num_parts > CUDA_MAX_PARTS:
-        with device_guard(dev):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
+        with device_guard(q.device):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
             return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
     if not q.is_contiguous() and q.stride(3) != 1:   # a contiguous q (D > 1) has unit stride along D
         q = q.contiguous()
     q_scale = query_scale(d, scale, softcap)
-    if k is not None:
+    has_fresh = k is not None
+    if has_fresh:
         # The kernel reads fresh k and v in q's dtype (attention.py requires it: no copy then) with one set of
         # strides (unit stride along D).  Two contiguous ones of one shape (attention.py) pass as they are: their
         # strides can differ only along size-1 dims, which no index reaches, and .contiguous() would keep them.
@@ -72,23 +69,97 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
             strides = k.stride()
             if strides != v.stride() or strides[3] != 1:
                 k, v = k.contiguous(), v.contiguous()
-    # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
-    transform = layout.key_gain is not None
-    key_shift = layout.key_shift if (k is not None or exact) and transform and layout.key_shifted else None
-    recent = _row_pair(layout.recent_k, layout.recent_v) if exact_recent else _NO_ROWS
-    first = _row_pair(layout.first_k, layout.first_v) if exact_first else _NO_ROWS
-    counters = layout.merge_counters
+    exact_rows = fixed.exact_rows if fixed.exact_rows is not None else _exact_rows(layout)
+    counters = fixed.counters
     if counters is None:
-        counters = arrival_counters(dev, b * hkv * CUDA_COUNTERS_PER_HEAD)
+        counters = arrival_counters(q.device, b * hkv * CUDA_COUNTERS_PER_HEAD)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    window = layout.sliding_window
     # The binding allocates the parts' scratch and the output ([B, Hq, Tq, D] in q's dtype) and returns the output.
-    return ext.decode(q, k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-                      layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits, codec.v_bits,
-                      *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0), window or 0,
-                      plan.num_splits, num_parts, window is not None, k is not None, CUDA_CHUNK_ALIGN, counters, None,
-                      sinks, k, v, key_shift, *recent, *first, cuda_merge_group(num_parts, rows, d))
+    return ext.decode(q, *fixed.head, *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0),
+                      fixed.window, plan.num_splits, num_parts, fixed.ring, has_fresh, CUDA_CHUNK_ALIGN, counters,
+                      None, sinks, k, v, fixed.fresh_key_shift if has_fresh else fixed.key_shift, *exact_rows,
+                      cuda_merge_group(num_parts, rows, d))
+
+
+def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None,
+                    softcap: float | None):
+    """A decode step's launch, launch(q, k, v, plan) = cached_attention_cuda(q, layout, codec, k, v, scale, softcap,
+    None, plan), for calls whose q, k, v have the shapes, dtype and device of this q and of its fresh k, v
+    (attention.py's _DecodeStep checks them): everything else is derived here, once.  None where the kernel does not
+    serve them."""
+    b, hq, tq, d = q.shape
+    fixed = _layout_args(layout, codec)
+    hkv = fixed.num_kv_heads
+    rows = tq * (hq // hkv)
+    ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
+    if ext is None or fixed.exact_rows is None or fixed.counters is None:
+        return None   # the Triton path, or the rows or counters of each call: cached_attention_cuda's work
+    head, exact, key_shift, exact_rows = fixed.head, fixed.exact, fixed.fresh_key_shift, fixed.exact_rows
+    q_scale, kernel_softcap = float(query_scale(d, scale, softcap)), float(softcap or 0.0)
+    window, ring, counters = fixed.window, fixed.ring, fixed.counters
+
+    def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        num_parts = plan.num_splits + exact   # the exact part is one more
+        # The kernel reads contiguous q, k, v as they are (a decode step's); anything else, and more parts than it
+        # merges, go the general way.
+        if num_parts > CUDA_MAX_PARTS or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            return cached_attention_cuda(q, layout, codec, k, v, scale, softcap, None, plan)
+        return ext.decode(q, *head, *part_scratch(q, hkv, num_parts), q_scale, kernel_softcap, window,
+                          plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
+                          key_shift, *exact_rows, cuda_merge_group(num_parts, rows, d))
+    return launch
+
+
+def _layout_args(layout: CacheLayout, codec: KVCodec) -> _LayoutArgs:
+    fixed = layout.derived.get(_LAYOUT_ARGS)
+    if fixed is None or fixed.codec is not codec:
+        fixed = layout.derived[_LAYOUT_ARGS] = _LayoutArgs(layout, codec)
+    return fixed
+
+
+_LAYOUT_ARGS = "cuda decode"   # CacheLayout.derived's key
+
+
+class _LayoutArgs:
+    """The decode launch's arguments that come from a layout and its codec alone, derived once per layout (a decode
+    step's layout is the same object every step until the cache's tensors change: CacheLayout.derived)."""
+
+    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact", "head", "window", "ring", "counters",
+                 "key_shift", "fresh_key_shift", "exact_rows")
+
+    def __init__(self, layout: CacheLayout, codec: KVCodec):
+        k_codes = layout.k_codes
+        d, dev = codec.head_dim, k_codes.device
+        self.codec = codec
+        self.num_kv_heads, self.capacity = k_codes.shape[1], k_codes.shape[2]
+        self.serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)   # rows: the call's
+        self.exact = layout.exact_recent > 0 or layout.exact_first > 0
+        transform = layout.key_gain is not None
+        self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
+                     layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits,
+                     codec.v_bits) if self.serves else None
+        # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
+        shift = layout.key_shift if transform and layout.key_shifted else None
+        self.fresh_key_shift, self.key_shift = shift, shift if self.exact else None   # with fresh k, v; without
+        window = layout.sliding_window
+        self.window, self.ring = window or 0, window is not None
+        self.counters = layout.merge_counters   # None: the shared arrival counters of the call's stream
+        # The exact rows as the kernel reads them; None where that takes a copy (made per call: the rows change).
+        self.exact_rows = _exact_rows(layout) if _rows_as_read(layout) else None
+
+
+def _exact_rows(layout: CacheLayout) -> tuple:
+    """recent_k, recent_v, first_k, first_v as the kernel reads them (None for rows the layout has not)."""
+    recent = _row_pair(layout.recent_k, layout.recent_v) if layout.exact_recent else _NO_ROWS
+    first = _row_pair(layout.first_k, layout.first_v) if layout.exact_first else _NO_ROWS
+    return (*recent, *first)
+
+
+def _rows_as_read(layout: CacheLayout) -> bool:
+    """Whether the kernel reads the layout's exact rows as they are (_row_pair copies none)."""
+    return ((not layout.exact_recent or _pair_as_read(layout.recent_k, layout.recent_v))
+            and (not layout.exact_first or _pair_as_read(layout.first_k, layout.first_v)))
 
 
 def part_scratch(q: torch.Tensor, num_kv_heads: int, num_parts: int) -> tuple[None, None]:
@@ -104,8 +175,11 @@ _NO_ROWS = (None, None)
 def _row_pair(rows_k: torch.Tensor, rows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An exact-row pair as the kernel reads it: one set of strides, unit stride along D (the cache allocates
     them so; a copy otherwise)."""
-    if rows_k.is_contiguous() and rows_v.is_contiguous():   # as the cache allocates them: .contiguous() keeps them
-        return rows_k, rows_v
-    if rows_k.stride() != rows_v.stride() or rows_k.stride(3) != 1:
-        rows_k, rows_v = rows_k.contiguous(), rows_v.contiguous()
-    return rows_k, rows_v
+    return (rows_k, rows_v) if _pair_as_read(rows_k, rows_v) else (rows_k.contiguous(), rows_v.contiguous())
+
+
+def _pair_as_read(rows_k: torch.Tensor, rows_v: torch.Tensor) -> bool:
+    """Whether the kernel reads an exact-row pair as it is: one set of strides, unit stride along D."""
+    # Two contiguous ones, as the cache allocates them, pass without reading strides (.contiguous() would keep them).
+    return (rows_k.is_contiguous() and rows_v.is_contiguous()
+            or rows_k.stride() == rows_v.stride() and rows_k.stride(3) == 1)

@@ -23,15 +23,25 @@ _ALIGN = 16   # the kernel reads each lane's 32 values with 16-byte loads
 
 def _aligned(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k and v (one dtype) with unit stride along D and every row 16-byte aligned (a copy of one that is not)."""
-    size = k.element_size()
+    if _pair_aligned(k, v):
+        return k, v
+    return _aligned_one(k), _aligned_one(v)
+
+
+def _pair_aligned(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k and v (one dtype, a head dim of CUDA_QUANTIZE_HEAD_DIMS) have unit stride along D and every row
+    16-byte aligned."""
+    if k.is_contiguous() and v.is_contiguous():
+        # A decode step's: rows lie a multiple of D elements from the first (the stride of a size-1 dim, which
+        # contiguity leaves free, only ever meets index 0), so the addresses decide.  Reading the strides took
+        # microseconds more of a decode step on the host (three more torch entry points to run from a cold cache).
+        return (k.data_ptr() | v.data_ptr()) % _ALIGN == 0
     k0, k1, k2, k3 = k.stride()
     v0, v1, v2, v3 = v.stride()
     # Strides are non-negative: the OR of the addresses and the byte strides is a multiple of 16 when each is (one
     # test where a generator per tensor took microseconds: this runs in every layer of every decode step).
-    if (k3 == 1 and v3 == 1 and (k.data_ptr() | v.data_ptr()
-                                 | (k0 | k1 | k2 | v0 | v1 | v2) * size) % _ALIGN == 0):
-        return k, v
-    return _aligned_one(k), _aligned_one(v)
+    return k3 == 1 and v3 == 1 and (k.data_ptr() | v.data_ptr()
+                                    | (k0 | k1 | k2 | v0 | v1 | v2) * k.element_size()) % _ALIGN == 0
 
 
 def _aligned_one(x: torch.Tensor) -> torch.Tensor:
@@ -78,26 +88,68 @@ def quantize_append_cuda(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, 
                          new_lengths: torch.Tensor | None, advance: bool = True) -> None:
     """quantize_append_naive's contract in one launch (codes, exact rows, lengths) when the kernel serves the call;
     the Triton path otherwise."""
-    d = codec.head_dim
+    # What comes from the layout and codec alone is derived once per layout (a decode step's launcher skips the rest).
+    fixed = _layout_args(layout, codec)
     dev = k.device
-    ext = extension() if d in CUDA_QUANTIZE_HEAD_DIMS and capable(dev) else None
-    exact_recent, exact_first = layout.exact_recent, layout.exact_first
-    recent = (layout.recent_k, layout.recent_v) if exact_recent else _NO_ROWS
-    first = (layout.first_k, layout.first_v) if exact_first else _NO_ROWS
-    if ext is None or ((exact_recent or exact_first) and not _unit_d_stride(*recent, *first)):
+    ext = extension() if fixed.serves else None
+    if ext is None:
         with device_guard(dev):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
             quantize_append_triton(k, v, layout, codec, new_lengths, advance)
         return
     if k.dtype != v.dtype:
         v = v.to(k.dtype)
     k, v = _aligned(k, v)
-    key_gain = layout.key_gain   # None without a key transform
     # The arrival counters of the lengths' advance, one per sequence (None: the kernel leaves seen alone).
-    counters = None if not advance else layout.merge_counters if layout.merge_counters is not None else \
+    counters = None if not advance else fixed.counters if fixed.counters is not None else \
         arrival_counters(dev, k.shape[0])
-    k_bits, v_bits = codec.k_bits, codec.v_bits
-    ext.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
-                        *_tables(k_bits, v_bits, d, dev),
-                        layout.key_shift if key_gain is not None else None, key_gain,
-                        layout.seen, layout.starts, counters, new_lengths, layout.nonfinite, *recent, *first,
-                        k_bits, v_bits, codec.scale_rule_id, layout.sliding_window is not None)
+    ext.quantize_append(k, v, *fixed.head, counters, new_lengths, *fixed.tail)
+
+
+def append_launcher(layout: CacheLayout, codec: KVCodec):
+    """A decode step's append, launch(k, v) = quantize_append_cuda(k, v, layout, codec, None), for k, v that the cache
+    has checked (QuantizedKVCache.check_kv: one dtype, the layout's device and shape): everything else is derived
+    here, once.  None where the kernel does not serve the layout."""
+    fixed = _layout_args(layout, codec)
+    ext = extension() if fixed.serves else None
+    if ext is None or fixed.counters is None:
+        return None   # the Triton path, or the counters of each call's stream: quantize_append_cuda's work
+    head, counters, tail = fixed.head, fixed.counters, fixed.tail
+
+    def launch(k: torch.Tensor, v: torch.Tensor) -> None:
+        if _pair_aligned(k, v):   # a decode step's fresh k, v; others (copies) go the general way
+            ext.quantize_append(k, v, *head, counters, None, *tail)
+        else:
+            quantize_append_cuda(k, v, layout, codec, None)
+    return launch
+
+
+def _layout_args(layout: CacheLayout, codec: KVCodec) -> _LayoutArgs:
+    fixed = layout.derived.get(_LAYOUT_ARGS)
+    if fixed is None or fixed.codec is not codec:
+        fixed = layout.derived[_LAYOUT_ARGS] = _LayoutArgs(layout, codec)
+    return fixed
+
+
+_LAYOUT_ARGS = "cuda quantize-append"   # CacheLayout.derived's key
+
+
+class _LayoutArgs:
+    """The launch's arguments that come from a layout and its codec alone, derived once per layout (a decode step's
+    layout is the same object every step until the cache's tensors change: CacheLayout.derived)."""
+
+    __slots__ = ("codec", "serves", "head", "counters", "tail")
+
+    def __init__(self, layout: CacheLayout, codec: KVCodec):
+        d, dev = codec.head_dim, layout.k_codes.device
+        recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else _NO_ROWS
+        first = (layout.first_k, layout.first_v) if layout.exact_first else _NO_ROWS
+        self.codec = codec
+        # The head dims and GPUs the kernel serves, with exact rows (if any) of unit stride along D as it writes them.
+        self.serves = d in CUDA_QUANTIZE_HEAD_DIMS and capable(dev) and _unit_d_stride(*recent, *first)
+        key_gain = layout.key_gain   # None without a key transform
+        self.head = (layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
+                     *_tables(codec.k_bits, codec.v_bits, d, dev), layout.key_shift if key_gain is not None else None,
+                     key_gain, layout.seen, layout.starts) if self.serves else None
+        self.counters = layout.merge_counters   # None: the shared arrival counters of the call's stream
+        self.tail = (layout.nonfinite, *recent, *first, codec.k_bits, codec.v_bits, codec.scale_rule_id,
+                     layout.sliding_window is not None)
