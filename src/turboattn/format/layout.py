@@ -80,6 +80,13 @@ class CacheLayout:
         # the fields are the cache's tensors and flags (dataclasses.replace makes a layout that starts empty).
         self.derived: dict = {}
 
+    def derived_for(self, key: str, codec: KVCodec, make):
+        """make(self, codec), kept in `derived` under `key` while the codec is the same object (the result's `codec`)."""
+        fixed = self.derived.get(key)
+        if fixed is None or fixed.codec is not codec:
+            fixed = self.derived[key] = make(self, codec)
+        return fixed
+
     @property
     def batch_size(self) -> int:
         return self.k_codes.shape[0]

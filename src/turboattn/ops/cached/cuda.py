@@ -112,10 +112,7 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
 
 
 def _layout_args(layout: CacheLayout, codec: KVCodec) -> _LayoutArgs:
-    fixed = layout.derived.get(_LAYOUT_ARGS)
-    if fixed is None or fixed.codec is not codec:
-        fixed = layout.derived[_LAYOUT_ARGS] = _LayoutArgs(layout, codec)
-    return fixed
+    return layout.derived_for(_LAYOUT_ARGS, codec, _LayoutArgs)
 
 
 _LAYOUT_ARGS = "cuda decode"   # CacheLayout.derived's key

@@ -124,10 +124,7 @@ def append_launcher(layout: CacheLayout, codec: KVCodec):
 
 
 def _layout_args(layout: CacheLayout, codec: KVCodec) -> _LayoutArgs:
-    fixed = layout.derived.get(_LAYOUT_ARGS)
-    if fixed is None or fixed.codec is not codec:
-        fixed = layout.derived[_LAYOUT_ARGS] = _LayoutArgs(layout, codec)
-    return fixed
+    return layout.derived_for(_LAYOUT_ARGS, codec, _LayoutArgs)
 
 
 _LAYOUT_ARGS = "cuda quantize-append"   # CacheLayout.derived's key
