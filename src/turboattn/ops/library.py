@@ -74,18 +74,13 @@ def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | 
                advance: bool) -> None:
     """quantize_append's body on a layout; advance: the implementation also advances seen (the CUDA kernel in the
     same launch)."""
-    body = backend.load("quantize_append", impl)
-    if impl == SELF_GUARDED:
-        body(k, v, layout, codec, new_lengths, advance)
-        return
-    with _on(k.device):
-        body(k, v, layout, codec, new_lengths, advance)
+    eager_body("quantize_append", impl)(k, v, layout, codec, new_lengths, advance)
 
 
 def eager_body(op: str, impl: str):
-    """The body of `op`'s implementation `impl` as the eager path runs it (what _attend and _append_to call): under the
-    device guard of its first argument's device unless it guards its launches itself (SELF_GUARDED).  A cache's decode
-    step keeps it while the registry stays as it is (backend.generation)."""
+    """The body of `op`'s implementation `impl` as the eager path runs it (_attend and _append_to call it; a cache's
+    decode step keeps it while the registry stays as it is, backend.generation): under the device guard of its first
+    argument's device unless it guards its launches itself (SELF_GUARDED)."""
     body = backend.load(op, impl)
     if impl == SELF_GUARDED:
         return body
@@ -193,11 +188,7 @@ def _attend(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tensor | None, v:
             sinks: Tensor | None, scale: float | None, softcap: float | None, plan: DecodePlan, impl: str) -> Tensor:
     """cached_attention's body on a layout, its codec and a plan."""
     # Positional arguments throughout: a keyword costs the call a dict.
-    body = backend.load("cached_attention", impl)
-    if impl == SELF_GUARDED:
-        return body(q, layout, codec, k, v, scale, softcap, sinks, plan)
-    with _on(q.device):
-        return body(q, layout, codec, k, v, scale, softcap, sinks, plan)
+    return eager_body("cached_attention", impl)(q, layout, codec, k, v, scale, softcap, sinks, plan)
 
 
 def run_cached_attention(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tensor | None, v: Tensor | None,
