@@ -2,9 +2,10 @@
 
 Prefill rows time one `cache.append(k, v)` of a whole prompt (bf16 in; bytes = K and V read + codes and scales
 written).  Decode rows time an append of a few tokens per sequence as a decode step does it (also into a cache
-with the quality presets' exact rows and bfloat16 scales): "graph" is GPU time
-(CUDA-graph replays of 10 appends, launch overhead excluded), "eager" the wall time per call of back-to-back eager
-appends (host time where that is the larger).  Each row runs on every implementation of `--backends`.  The caches
+with the quality presets' exact rows and bfloat16 scales, and as the default caches run them, with a key transform):
+"graph" is GPU time (CUDA-graph replays of 10 appends, launch overhead excluded, the graph's one reset of the lengths
+timed alone and taken out), "eager" the wall time per call of back-to-back eager appends (host time where that is
+the larger).  Each row runs on every implementation of `--backends`.  The caches
 are static, so the lengths can be reset on the device between calls (a reset of the whole cache would be timed too).
 """
 
@@ -23,10 +24,13 @@ from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, 
 PREFILL_CASES = [(1, 8, 128, 32768, (4, 4)), (1, 8, 128, 32768, (8, 8)), (1, 8, 128, 32768, (5, 3)),
                  (1, 8, 128, 32768, (4, 3)), (1, 8, 256, 16384, (4, 4)), (1, 2, 512, 32768, (4, 4)),
                  (1, 3, 64, 32768, (4, 4))]
-# ... and the exact rows (first tokens, recent window) the quality presets keep, with bfloat16 scales (QUALITY.md)
+# ... and the exact rows (first tokens, recent window) the quality presets keep, with bfloat16 scales (QUALITY.md);
+# the last three as the default caches are after a prefill, whose key fit ("center") sets a key transform.
 DECODE_CASES = [(1, 8, 128, 1, (4, 4), (0, 0)), (8, 8, 128, 1, (4, 4), (0, 0)), (8, 8, 128, 16, (4, 4), (0, 0)),
                 (32, 8, 128, 1, (4, 4), (0, 0)), (8, 3, 64, 1, (4, 3), (0, 0)), (8, 8, 256, 1, (5, 3), (0, 0)),
-                (8, 8, 128, 1, (4, 3), (4, 64)), (8, 3, 64, 1, (4, 3), (4, 64)), (8, 1, 256, 1, (5, 3), (4, 8))]
+                (8, 8, 128, 1, (4, 3), (4, 64)), (8, 3, 64, 1, (4, 3), (4, 64)), (8, 1, 256, 1, (5, 3), (4, 8)),
+                (8, 8, 128, 1, (4, 3), (4, 64), "transform"), (8, 3, 64, 1, (4, 3), (4, 64), "transform"),
+                (8, 1, 256, 1, (5, 3), (4, 8), "transform")]
 BACKENDS = ("auto", "triton")   # auto: the CUDA kernel where it serves (head_dim 64 / 128 / 256 / 512)
 DECODE_CAPACITY = 4096
 
@@ -60,11 +64,16 @@ def _prefill_row(case, backend, device, copy_tbs) -> dict:
 
 
 def _decode_row(case, backend, device) -> dict:
-    b, hkv, d, t, bits, (first, recent) = case
+    b, hkv, d, t, bits, (first, recent), *options = case
     exact = first + recent > 0
+    transform = "transform" in options
     codec = KVCodec(d, *bits, scale_dtype=torch.bfloat16 if exact else torch.float32)
     cache = QuantizedKVCache(codec, b, hkv, capacity=DECODE_CAPACITY, device=device, static=True, exact_first=first,
                              exact_recent=recent, exact_dtype=torch.bfloat16)
+    if transform:
+        gen = torch.Generator(device=device).manual_seed(0)
+        shift = 0.1 * torch.randn(b, hkv, d, device=device, generator=gen)
+        cache.set_key_transform(shift, 0.5 + torch.rand(b, hkv, d, device=device, generator=gen))
     k, v = _inputs(b, hkv, d, t, device)
     calls = 10
 
@@ -72,7 +81,8 @@ def _decode_row(case, backend, device) -> dict:
         cache.seen.zero_()
         for _ in range(calls):
             cache.append(k, v, backend=backend)
-    graph_us = time_us_graph(steps, replays=1) / calls
+    # The graph's lengths reset (one small launch per `calls` appends) is timed alone and taken out.
+    graph_us = (time_us_graph(steps, replays=1) - time_us_graph(cache.seen.zero_, replays=calls)) / calls
     steps()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -81,7 +91,8 @@ def _decode_row(case, backend, device) -> dict:
     torch.cuda.synchronize()
     eager_us = (time.perf_counter() - start) / (20 * calls) * 1e6
     return {"kind": "decode", "backend": backend, "B": b, "Hkv": hkv, "D": d, "T": t, "k_bits": bits[0],
-            "v_bits": bits[1], "exact_first": first, "exact_recent": recent, "graph_us": graph_us,
+            "v_bits": bits[1], "exact_first": first, "exact_recent": recent, "key_transform": transform,
+            "graph_us": graph_us,
             "eager_us": eager_us}
 
 
@@ -100,7 +111,8 @@ def run(args) -> int:
     print_table(f"quantize-and-append of a decode step, {env['gpu']}",
                 ["backend", "B", "Hkv", "D", "T", "bits", "exact rows", "graph µs", "eager µs"],
                 [[r["backend"], r["B"], r["Hkv"], r["D"], r["T"], f"k{r['k_bits']}v{r['v_bits']}",
-                  f"first {r['exact_first']} + recent {r['exact_recent']}" if r["exact_first"] + r["exact_recent"]
-                  else "-", r["graph_us"], r["eager_us"]] for r in results if r["kind"] == "decode"])
+                  (f"first {r['exact_first']} + recent {r['exact_recent']}" if r["exact_first"] + r["exact_recent"]
+                   else "-") + (", key transform" if r["key_transform"] else ""), r["graph_us"], r["eager_us"]]
+                 for r in results if r["kind"] == "decode"])
     write_results(args.out, "quantize", {"env": env, "copy_tbs": copy_tbs, "results": results})
     return 0

@@ -162,6 +162,15 @@ __device__ __forceinline__ void store_scale(void* scales, size_t at, float s, bo
   static_cast<uint16_t*>(scales)[at] = static_cast<uint16_t>(rounded);
 }
 
+// Global -> shared copies of BYTES (4, 8 or 16) that no thread waits on until copy_async_wait_all (sm_80+).
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  if constexpr (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(global));
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(at), "l"(global), "n"(BYTES));
+}
+__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 struct Tables {  // in shared memory
   const uint8_t* grid;   // [grid_size]: boundaries below each grid cell's left edge
   const float* bounds;   // [2^bits], the last +inf
@@ -203,6 +212,11 @@ struct Rows {
   long long row0, stride_t;
   int t_first;
   RawRow<DTYPE, PL> first;
+  // A decode step's keys with a transform (PL <= 8): the lane's shift and gain, fetched with the first row, so that
+  // code_vectors does not wait a round trip for them after the barrier.
+  static constexpr bool TRANSFORM_AHEAD = PL <= 8;
+  bool transform_ahead = false;
+  float4 shift[TRANSFORM_AHEAD ? PL / 4 : 1], gain[TRANSFORM_AHEAD ? PL / 4 : 1];
 
   __device__ __forceinline__ void fetch(int t, RawRow<DTYPE, PL>& raw) const {
     fetch_row<DTYPE, PL>(src, row0 + t * stride_t, raw);
@@ -220,14 +234,27 @@ __device__ __forceinline__ Rows<DTYPE, PL> first_rows(const QuantizeParams& p, b
               (lane % S::L) * PL;
   rows.t_first = blockIdx.x * (blockDim.x / 32) * S::VECTORS + warp * S::VECTORS + lane / S::L;
   if (rows.t_first < p.tokens) rows.fetch(rows.t_first, rows.first);
+  if constexpr (Rows<DTYPE, PL>::TRANSFORM_AHEAD) {
+    rows.transform_ahead = is_key && p.key_shift != nullptr;
+    if (rows.transform_ahead) {
+      const size_t at = (static_cast<size_t>(b) * p.num_kv_heads + h) * D + (lane % S::L) * PL;
+#pragma unroll
+      for (int i = 0; i < PL / 4; ++i) {
+        rows.shift[i] = reinterpret_cast<const float4*>(p.key_shift + at)[i];
+        rows.gain[i] = reinterpret_cast<const float4*>(p.key_gain + at)[i];
+      }
+    }
+  }
   return rows;
 }
 
 // Code one block of vectors (this lane's: token t, its 32 / L-th of a warp's vectors), whose raw values were fetched:
 // valid says whether it is stored, at `slot`.
+// shift_ahead, gain_ahead: the lane's key transform when the caller fetched it (Rows), else nullptr.
 template <int D, int PL, int DTYPE, int BITS>
 __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_key, int b, int bh, bool valid, int slot,
-                                             const RawRow<DTYPE, PL>& raw, const Tables& tab, uint8_t* warp_cells) {
+                                             const RawRow<DTYPE, PL>& raw, const Tables& tab, uint8_t* warp_cells,
+                                             const float4* shift_ahead = nullptr, const float4* gain_ahead = nullptr) {
   using S = QuantShape<D, PL>;
   using PW = PlaneWidths<BITS>;
   constexpr int ROW = D * BITS / 8;
@@ -252,7 +279,8 @@ __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_ke
     const float4* gain = reinterpret_cast<const float4*>(p.key_gain + static_cast<size_t>(bh) * D + c0);
 #pragma unroll
     for (int i = 0; i < PL / 4; ++i) {
-      const float4 s = shift[i], g = gain[i];
+      const float4 s = shift_ahead != nullptr ? shift_ahead[i] : shift[i];
+      const float4 g = gain_ahead != nullptr ? gain_ahead[i] : gain[i];
       x[4 * i] = (x[4 * i] - s.x) * g.x;
       x[4 * i + 1] = (x[4 * i + 1] - s.y) * g.y;
       x[4 * i + 2] = (x[4 * i + 2] - s.z) * g.z;
@@ -374,17 +402,33 @@ struct Placement {
   __device__ __forceinline__ int slot(int t) const { return ring ? (slot0 + t) % capacity : slot0 + t; }
 };
 
-// A decode step's exact rows, written from the registers that hold the token for its coding (the short path), rather
-// than read again by copy_exact_rows: the lane's PL raw values go to the recent window's row (slot0 + t) % R when t is
-// among the chunk's last R tokens, and to first row t + slot0 - start when that is one of the S first rows.  For rows of
-// the input's dtype, 16-byte aligned (exact_rows_inline checks).
-struct ExactInline {
+// Which of a chunk's tokens the exact rows keep (format/layout.py), and where: the last R of the chunk go to the recent
+// window's rows (slot0 + t) % R, and the tokens at positions start .. start + S - 1 to the first rows 0 .. S - 1.  The
+// one rule for write_exact_rows and copy_exact_rows.
+struct ExactRows {
   int n_new, slot0, start;
+  // Tokens t in [lo, hi) go to row (t + offset) % modulo (modulo 0: no wrap).
+  struct Span {
+    int lo, hi, offset, modulo;
+    __device__ __forceinline__ bool holds(int t) const { return t >= lo && t < hi; }
+    __device__ __forceinline__ int row(int t) const { return modulo > 0 ? (t + offset) % modulo : t + offset; }
+  };
+  __device__ __forceinline__ Span recent(const QuantizeParams& p) const {
+    return {max(n_new - p.exact_recent, 0), n_new, slot0, p.exact_recent};
+  }
+  __device__ __forceinline__ Span first(const QuantizeParams& p) const {
+    const int lo = start - slot0;  // the chunk's token at position start
+    return {max(lo, 0), max(min(lo + p.exact_first, n_new), 0), -lo, 0};
+  }
 };
+
+// A decode step's exact rows, written from the registers that hold the token for its coding (the short path), rather
+// than read again by copy_exact_rows: the lane's PL raw values.  For rows of the input's dtype, 16-byte aligned
+// (exact_rows_inline checks).
 
 template <int D, int PL, int DTYPE>
 __device__ __forceinline__ void write_exact_rows(const QuantizeParams& p, int side, int b, int h, int t,
-                                                 const RawRow<DTYPE, PL>& raw, const ExactInline& ex) {
+                                                 const RawRow<DTYPE, PL>& raw, const ExactRows& ex) {
   constexpr int SIZE = DTYPE == 2 ? 4 : 2;
   constexpr int BYTES = RawRow<DTYPE, PL>::BYTES;
   const int sub = (threadIdx.x % 32) % QuantShape<D, PL>::L;
@@ -398,9 +442,14 @@ __device__ __forceinline__ void write_exact_rows(const QuantizeParams& p, int si
       *reinterpret_cast<uint2*>(dst) = make_uint2(raw.w[0], raw.w[1]);
     }
   };
-  if (p.exact_recent > 0 && t >= ex.n_new - p.exact_recent) put(p.recent[side], p.recent_stride[side], (ex.slot0 + t) % p.exact_recent);
-  const int first_row = t + ex.slot0 - ex.start;
-  if (p.exact_first > 0 && first_row >= 0 && first_row < p.exact_first) put(p.first[side], p.first_stride[side], first_row);
+  if (p.exact_recent > 0) {
+    const ExactRows::Span recent = ex.recent(p);
+    if (recent.holds(t)) put(p.recent[side], p.recent_stride[side], recent.row(t));
+  }
+  if (p.exact_first > 0) {
+    const ExactRows::Span first = ex.first(p);
+    if (first.holds(t)) put(p.first[side], p.first_stride[side], first.row(t));
+  }
 }
 
 // Whether this side's exact rows take write_exact_rows: the input's dtype, every row 16-byte aligned.
@@ -421,7 +470,7 @@ __device__ __forceinline__ bool exact_rows_inline(const QuantizeParams& p, int s
 template <int D, int PL, int DTYPE, int BITS>
 __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
                                             const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows,
-                                            const ExactInline* exact) {
+                                            const ExactRows* exact) {
   using S = QuantShape<D, PL>;
   const int tokens_per_cta = (blockDim.x / 32) * S::VECTORS;
   const int step = gridDim.x * tokens_per_cta;
@@ -433,7 +482,9 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
     const RawRow<DTYPE, PL> raw = next;
     t_next = t + step;
     if (at.stored(t_next)) rows.fetch(t_next, next);
-    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, at.stored(t), at.slot(t), raw, tab, warp_cells);
+    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, at.stored(t), at.slot(t), raw, tab, warp_cells,
+                                     rows.transform_ahead ? rows.shift : nullptr,
+                                     rows.transform_ahead ? rows.gain : nullptr);
     if (exact != nullptr && t < at.n_new)
       write_exact_rows<D, PL, DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads, t, raw, *exact);
   }
@@ -456,9 +507,8 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
 // No power-of-two prescale: it does not change u = y / rms or the stored scale (powers of two factor out exactly),
 // as long as nothing over- or underflows.  A row whose sum of squares lies outside [2^-100, 2^100] (and is not an
 // exact zero vector), or is not finite, is coded again by code_vectors, the reference's order of operations.
-constexpr int TILE_R = 1;  // rows per lane
 constexpr long long TILE_MIN_TOKENS = 8192;  // tokens x KV heads x sequences of an append that takes the tile loop
-constexpr int TILE_ROWS = 8 * TILE_R;      // tokens a warp codes per step
+constexpr int TILE_ROWS = 8;  // tokens a warp codes per step: a row per lane of the MMA's rows g
 
 template <int DTYPE>  // 0 float16, 1 bfloat16
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -681,7 +731,6 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
   float* key_shift = reinterpret_cast<float*>(tile_grid + tile_grid_cells<D>() + 2 * D);
   float* key_gain = key_shift + D;
   if (transform) {
-    static_assert(TILE_R == 1, "the transform's rotation codes one row per lane");
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
       key_shift[j] = p.key_shift[static_cast<size_t>(bh) * D + j];
       key_gain[j] = p.key_gain[static_cast<size_t>(bh) * D + j];
@@ -697,46 +746,37 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
   const long long row0 = base + 8 * t;
   const int step = gridDim.x * warps;
   // Rows past the chunk read its last token (a valid address; they are not stored), so the loads need no predicate.
-  auto fetch = [&](int tile, uint32_t (&raw)[TILE_R][M][4]) {
+  auto fetch = [&](int tile, uint32_t (&raw)[M][4]) {
+    const int tok = min(tile * TILE_ROWS + g, p.tokens - 1);
 #pragma unroll
-    for (int r = 0; r < TILE_R; ++r) {
-      const int tok = min(tile * TILE_ROWS + g + 8 * r, p.tokens - 1);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + 2 * (row0 + tok * stride_t + 32 * m)));
-        raw[r][m][0] = q.x, raw[r][m][1] = q.y, raw[r][m][2] = q.z, raw[r][m][3] = q.w;
-      }
+    for (int m = 0; m < M; ++m) {
+      const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + 2 * (row0 + tok * stride_t + 32 * m)));
+      raw[m][0] = q.x, raw[m][1] = q.y, raw[m][2] = q.z, raw[m][3] = q.w;
     }
   };
   // The next tile's rows are fetched while this one is coded (16 registers at one row per lane).
   int tile = blockIdx.x * warps + warp;
-  uint32_t next[TILE_R][M][4];
+  uint32_t next[M][4];
   if (tile * TILE_ROWS < at.n_new) fetch(tile, next);
   for (; tile * TILE_ROWS < at.n_new; tile += step) {
-    uint32_t x[TILE_R][M][4];
+    uint32_t x[M][4];
 #pragma unroll
-    for (int r = 0; r < TILE_R; ++r)
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) x[r][m][w] = next[r][m][w];
+      for (int w = 0; w < 4; ++w) x[m][w] = next[m][w];
     if ((tile + step) * TILE_ROWS < at.n_new) fetch(tile + step, next);
     // An exact zero vector (signed zeros included) is coded as such; any other row must pass the range check.
-    bool zero[TILE_R];
+    uint32_t any = 0u;
 #pragma unroll
-    for (int r = 0; r < TILE_R; ++r) {
-      uint32_t any = 0u;
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) any |= x[r][m][w];
-      any &= 0x7fff7fffu;
-      any |= __shfl_xor_sync(0xffffffffu, any, 1);
-      any |= __shfl_xor_sync(0xffffffffu, any, 2);
-      zero[r] = any == 0u && !transform;  // a transformed key is zero only if it equals the shift: coded again
-    }
-    // Rotate: y[r][q], q = e + 2 n3 + 4 i2 + 8 m (column 2 t + e of half n3, block (i2, m)).
-    float y[TILE_R][Q];
+      for (int w = 0; w < 4; ++w) any |= x[m][w];
+    any &= 0x7fff7fffu;
+    any |= __shfl_xor_sync(0xffffffffu, any, 1);
+    any |= __shfl_xor_sync(0xffffffffu, any, 2);
+    const bool zero = any == 0u && !transform;  // a transformed key is zero only if it equals the shift: coded again
+    // Rotate: y[q], q = e + 2 n3 + 4 i2 + 8 m (column 2 t + e of half n3, block (i2, m)).
+    float y[Q];
     if (TRANSFORM && transform) {
       // Keys as the cache codes them, (k - shift) * gain in float32 (the reference's two roundings), rotated as three
       // bfloat16 parts whose MMAs accumulate.  One row per lane.
@@ -748,8 +788,8 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
           const float4 sh = *reinterpret_cast<const float4*>(key_shift + c0);
           const float4 gn = *reinterpret_cast<const float4*>(key_gain + c0);
           float e[4];
-          to_floats<DTYPE>(x[0][m][2 * i2], e[0], e[1]);
-          to_floats<DTYPE>(x[0][m][2 * i2 + 1], e[2], e[3]);
+          to_floats<DTYPE>(x[m][2 * i2], e[0], e[1]);
+          to_floats<DTYPE>(x[m][2 * i2 + 1], e[2], e[3]);
           e[0] = (e[0] - sh.x) * gn.x, e[1] = (e[1] - sh.y) * gn.y;
           e[2] = (e[2] - sh.z) * gn.z, e[3] = (e[3] - sh.w) * gn.w;
           uint32_t part01[3], part23[3];
@@ -763,27 +803,23 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
             mma_16816_bf16_acc(c1v, part01[part] ^ sign.x, part23[part] ^ sign.y, k10, k11);
           }
           const int q = 4 * i2 + 8 * m;
-          y[0][q] = c0v[0], y[0][q + 1] = c0v[1], y[0][q + 2] = c1v[0], y[0][q + 3] = c1v[1];
+          y[q] = c0v[0], y[q + 1] = c0v[1], y[q + 2] = c1v[0], y[q + 3] = c1v[1];
         }
     } else {
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
-        // A fragment: rows g and g + 8 (zero when a lane codes one row), k = 2 t + e and 2 t + 8 + e.
+        // A fragment: rows g (rows g + 8 are zero), k = 2 t + e and 2 t + 8 + e.
         const uint2 sign = reinterpret_cast<const uint2*>(sign_pairs)[2 * t + 8 * m + i2];
-        const uint32_t a0 = x[0][m][2 * i2] ^ sign.x;
-        const uint32_t a2 = x[0][m][2 * i2 + 1] ^ sign.y;
-        const uint32_t a1 = TILE_R == 2 ? x[TILE_R - 1][m][2 * i2] ^ sign.x : 0u;
-        const uint32_t a3 = TILE_R == 2 ? x[TILE_R - 1][m][2 * i2 + 1] ^ sign.y : 0u;
+        const uint32_t a0 = x[m][2 * i2] ^ sign.x;
+        const uint32_t a2 = x[m][2 * i2 + 1] ^ sign.y;
         float c[4];
         const int q = 4 * i2 + 8 * m;
-        mma_16816<DTYPE>(c, a0, a1, a2, a3, b00, b01);
-        y[0][q] = c[0], y[0][q + 1] = c[1];
-        if constexpr (TILE_R == 2) y[TILE_R - 1][q] = c[2], y[TILE_R - 1][q + 1] = c[3];
-        mma_16816<DTYPE>(c, a0, a1, a2, a3, b10, b11);
-        y[0][q + 2] = c[0], y[0][q + 3] = c[1];
-        if constexpr (TILE_R == 2) y[TILE_R - 1][q + 2] = c[2], y[TILE_R - 1][q + 3] = c[3];
+        mma_16816<DTYPE>(c, a0, 0u, a2, 0u, b00, b01);
+        y[q] = c[0], y[q + 1] = c[1];
+        mma_16816<DTYPE>(c, a0, 0u, a2, 0u, b10, b11);
+        y[q + 2] = c[0], y[q + 3] = c[1];
       }
     }
 #pragma unroll
@@ -791,122 +827,106 @@ __device__ __forceinline__ void code_tiles(const QuantizeParams& p, bool is_key,
 #pragma unroll
       for (int q = 0; q < Q; ++q) {
         if (q & s) continue;
-#pragma unroll
-        for (int r = 0; r < TILE_R; ++r) {
-          const float u = y[r][q], v = y[r][q + s];
-          y[r][q] = u + v;
-          y[r][q + s] = u - v;
-        }
+        const float u = y[q], v = y[q + s];
+        y[q] = u + v;
+        y[q + s] = u - v;
       }
-    unsigned redo[TILE_R];  // per r, lane 4 g's bit: rows g + 8 r that code_vectors codes instead
+    const int tok = tile * TILE_ROWS + g;
+    float sumsq = 0.f;
 #pragma unroll
-    for (int r = 0; r < TILE_R; ++r) {
-      const int tok = tile * TILE_ROWS + g + 8 * r;
-      float sumsq = 0.f;
-#pragma unroll
-      for (int q = 0; q < Q; ++q) sumsq = fmaf(y[r][q], y[r][q], sumsq);
-      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
-      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
-      const bool ok = zero[r] || (sumsq >= 0x1p-100f && sumsq <= 0x1p100f);
-      const bool stored = at.stored(tok);
-      redo[r] = __ballot_sync(0xffffffffu, t == 0 && stored && !ok);
-      const float rms = sqrtf(sumsq / D);
-      const float inv = 1.f / (rms > 0.f ? rms : 1.f);
-      // The cells, as code_vectors finds them (u = y * inv against the boundary of its grid cell), from the tile grid:
-      // cell RN(u * scale) + half, the rounding done by the FMA into a float whose mantissa then holds the cell.
-      uint32_t idx[Q];
-      float csq = 0.f, yc = 0.f;
-      // A row out of range takes inv_scaled = 0: its cells stay inside the grid (NaN and infinities pick cell 0), and it
-      // is coded again below.
-      const float inv_scaled = ok ? inv * tab.grid_scale : 0.f;
-      const float cell_offset = static_cast<float>(tg.half) + ROUND_MAGIC;
-      if (p.rule == 1) tile_cells<Q, BITS, 1>(y[r], inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
-      else if (p.rule == 2) tile_cells<Q, BITS, 2>(y[r], inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
-      else tile_cells<Q, BITS, 0>(y[r], inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
-      const bool write = stored && ok;
-      const size_t row = static_cast<size_t>(bh) * p.capacity + (stored ? at.slot(tok) : 0);
-      uint8_t* dst = codes + row * ROW;
-      constexpr int SHIFT = TileGrid<BITS>::SHIFT;
-      store_plane<D, PW::LOW, SHIFT, SHIFT, PW::HIGH == 0>(idx, dst, t, write);
-      if constexpr (PW::HIGH > 0) store_plane<D, PW::HIGH, PW::LOW + SHIFT, SHIFT, true>(idx, dst + P0, t, write);
-      float scale = rms;
-      if (p.rule != 0) {
-        csq += __shfl_xor_sync(0xffffffffu, csq, 1);
-        csq += __shfl_xor_sync(0xffffffffu, csq, 2);
-        if (p.rule == 1) {
-          scale = sqrtf(sumsq) / sqrtf(csq);
-        } else {
-          yc += __shfl_xor_sync(0xffffffffu, yc, 1);
-          yc += __shfl_xor_sync(0xffffffffu, yc, 2);
-          scale = yc / csq;
-        }
-        scale = rms > 0.f ? scale : 0.f;
+    for (int q = 0; q < Q; ++q) sumsq = fmaf(y[q], y[q], sumsq);
+    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
+    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
+    const bool ok = zero || (sumsq >= 0x1p-100f && sumsq <= 0x1p100f);
+    const bool stored = at.stored(tok);
+    // Lane 4 g's bit: row g is coded again by code_vectors below.
+    const unsigned redo = __ballot_sync(0xffffffffu, t == 0 && stored && !ok);
+    const float rms = sqrtf(sumsq / D);
+    const float inv = 1.f / (rms > 0.f ? rms : 1.f);
+    // The cells, as code_vectors finds them (u = y * inv against the boundary of its grid cell), from the tile grid:
+    // cell RN(u * scale) + half, the rounding done by the FMA into a float whose mantissa then holds the cell.
+    uint32_t idx[Q];
+    float csq = 0.f, yc = 0.f;
+    // A row out of range takes inv_scaled = 0: its cells stay inside the grid (NaN and infinities pick cell 0), and it
+    // is coded again below.
+    const float inv_scaled = ok ? inv * tab.grid_scale : 0.f;
+    const float cell_offset = static_cast<float>(tg.half) + ROUND_MAGIC;
+    if (p.rule == 1) tile_cells<Q, BITS, 1>(y, inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
+    else if (p.rule == 2) tile_cells<Q, BITS, 2>(y, inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
+    else tile_cells<Q, BITS, 0>(y, inv, inv_scaled, cell_offset, tab, tg, idx, csq, yc);
+    const bool write = stored && ok;
+    const size_t row = static_cast<size_t>(bh) * p.capacity + (stored ? at.slot(tok) : 0);
+    uint8_t* dst = codes + row * ROW;
+    constexpr int SHIFT = TileGrid<BITS>::SHIFT;
+    store_plane<D, PW::LOW, SHIFT, SHIFT, PW::HIGH == 0>(idx, dst, t, write);
+    if constexpr (PW::HIGH > 0) store_plane<D, PW::HIGH, PW::LOW + SHIFT, SHIFT, true>(idx, dst + P0, t, write);
+    float scale = rms;
+    if (p.rule != 0) {
+      csq += __shfl_xor_sync(0xffffffffu, csq, 1);
+      csq += __shfl_xor_sync(0xffffffffu, csq, 2);
+      if (p.rule == 1) {
+        scale = sqrtf(sumsq) / sqrtf(csq);
+      } else {
+        yc += __shfl_xor_sync(0xffffffffu, yc, 1);
+        yc += __shfl_xor_sync(0xffffffffu, yc, 2);
+        scale = yc / csq;
       }
-      if (write && t == 0) store_scale(scales, row, scale * norm, p.scale_bf16);
+      scale = rms > 0.f ? scale : 0.f;
     }
+    if (write && t == 0) store_scale(scales, row, scale * norm, p.scale_bf16);
     // Rows out of the safe range (or not finite): the whole warp codes each, a vector per step (the lanes of
     // code_vectors' second vector at D = 64 idle).
-#pragma unroll
-    for (int r = 0; r < TILE_R; ++r)
-      for (unsigned rows = redo[r]; rows != 0u; rows &= rows - 1) {
-        const int tok = tile * TILE_ROWS + (__ffs(rows) - 1) / 4 + 8 * r;
-        recode_row<D, DTYPE, BITS>(p, is_key, b, bh, tok, at.slot(tok), tab, warp_cells);
-      }
+    for (unsigned rows = redo; rows != 0u; rows &= rows - 1) {
+      const int again = tile * TILE_ROWS + (__ffs(rows) - 1) / 4;
+      recode_row<D, DTYPE, BITS>(p, is_key, b, bh, again, at.slot(again), tab, warp_cells);
+    }
   }
 }
 
-// Copy one side's real tokens that the exact rows keep (format/layout.py), raw (the model's domain), converted to the
-// exact dtype (round to nearest even, as torch's .to()), whether or not the codes had room: the last R of the chunk
-// into rows (seen + t) % R, and the tokens at positions start .. start + S - 1 into rows 0 .. S - 1.  At most R + S
+// Copy one side's real tokens that the exact rows keep (ExactRows), raw (the model's domain), converted to the
+// exact dtype (round to nearest even, as torch's .to()), whether or not the codes had room.  At most R + S
 // tokens per sequence, over the CTAs of this (sequence, KV head, side), after their coding.  Rows of the input's
 // dtype (the model's: the usual case) are copied 16 bytes per thread and step, so that a decode step's token is one
 // step of one warp at D <= 256 instead of D / 32 dependent element steps: the input's rows are 16-byte aligned (the
 // wrapper's _aligned) and so are a cache's own exact rows; other dtypes and rows that are not aligned (a view handed
 // in) take the element loop.
 template <int D, int DTYPE>  // DTYPE: the input's, 0 float16, 1 bfloat16, 2 float32
-__device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int h, int n_new, int slot0, int start) {
+__device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int h, const ExactRows& ex) {
   const int side = is_key ? 0 : 1;
   const long long in0 = b * (is_key ? p.k_stride_b : p.v_stride_b) + h * (is_key ? p.k_stride_h : p.v_stride_h);
   const long long in_t = is_key ? p.k_stride_t : p.v_stride_t;
   const void* in = is_key ? p.k : p.v;
   constexpr int SIZE = DTYPE == 2 ? 4 : 2, PER_16 = 16 / SIZE;
-  auto copy = [&](void* rows, const long long (&st)[3], int t_lo, int t_hi, int row_offset, int modulo) {
+  auto copy = [&](void* rows, const long long (&st)[3], const ExactRows::Span& span) {
     const long long out0 = b * st[0] + h * st[1];
     const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
     if (p.exact_dtype == DTYPE &&
         ((reinterpret_cast<uintptr_t>(rows) | static_cast<unsigned long long>(out0 | st[2]) * SIZE) & 15) == 0) {
       constexpr int CHUNKS = D / PER_16;
-      const int count = (t_hi - t_lo) * CHUNKS;
+      const int count = (span.hi - span.lo) * CHUNKS;
       for (int i = first; i < count; i += stride) {
-        const int t = t_lo + i / CHUNKS, d = (i % CHUNKS) * PER_16;
-        int row = t + row_offset;
-        if (modulo > 0) row %= modulo;
+        const int t = span.lo + i / CHUNKS, d = (i % CHUNKS) * PER_16, row = span.row(t);
         const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const char*>(in) + (in0 + t * in_t + d) * SIZE);
         *reinterpret_cast<uint4*>(static_cast<char*>(rows) + (out0 + row * st[2] + d) * SIZE) = x;
       }
       return;
     }
-    const int count = (t_hi - t_lo) * D;
+    const int count = (span.hi - span.lo) * D;
     for (int i = first; i < count; i += stride) {
-      const int t = t_lo + i / D, d = i % D;
+      const int t = span.lo + i / D, d = i % D, row = span.row(t);
       const long long at = in0 + t * in_t + d;
       float x;
       if constexpr (DTYPE == 2) x = static_cast<const float*>(in)[at];
       else if constexpr (DTYPE == 1) x = __bfloat162float(static_cast<const __nv_bfloat16*>(in)[at]);
       else x = __half2float(static_cast<const __half*>(in)[at]);
-      int row = t + row_offset;
-      if (modulo > 0) row %= modulo;
       const long long out = out0 + row * st[2] + d;
       if (p.exact_dtype == 2) static_cast<float*>(rows)[out] = x;
       else if (p.exact_dtype == 1) static_cast<__nv_bfloat16*>(rows)[out] = __float2bfloat16_rn(x);
       else static_cast<__half*>(rows)[out] = __float2half_rn(x);
     }
   };
-  if (p.exact_recent > 0)
-    copy(p.recent[side], p.recent_stride[side], max(n_new - p.exact_recent, 0), n_new, slot0, p.exact_recent);
-  if (p.exact_first > 0)
-    copy(p.first[side], p.first_stride[side], max(start - slot0, 0), max(min(start - slot0 + p.exact_first, n_new), 0),
-         slot0 - start, 0);
+  if (p.exact_recent > 0) copy(p.recent[side], p.recent_stride[side], ex.recent(p));
+  if (p.exact_first > 0) copy(p.first[side], p.first_stride[side], ex.first(p));
 }
 
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
@@ -916,8 +936,8 @@ __device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int
 template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM>
 __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1) quantize_append_kernel(const __grid_constant__ QuantizeParams p) {
   __shared__ __align__(16) uint8_t grid[MAX_GRID];
-  __shared__ float bounds[256];
-  __shared__ float centroids[256];
+  __shared__ __align__(16) float bounds[256];
+  __shared__ __align__(16) float centroids[256];
   __shared__ __align__(16) float signs[D];
   __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
   // The tile grid, the sign pairs and a transformed key side's shift and gain.
@@ -931,31 +951,53 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
   const int grid_size = is_key ? p.k_grid_size : p.v_grid_size;
   const Tables tab{grid, bounds, centroids, signs, is_key ? p.k_grid_lo : p.v_grid_lo,
                    is_key ? p.k_grid_scale : p.v_grid_scale, grid_size};
-  // The tables in shared memory, this sequence's placement, and where the exact first rows start (read with seen,
-  // before any CTA can move it).
-  auto stage = [&](Placement& at, int& start) {
-    for (int i = threadIdx.x; i < grid_size / 16; i += blockDim.x)
-      reinterpret_cast<uint4*>(grid)[i] = reinterpret_cast<const uint4*>(is_key ? p.k_grid : p.v_grid)[i];
-    for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) {
-      bounds[i] = (is_key ? p.k_bounds : p.v_bounds)[i];
-      centroids[i] = (is_key ? p.k_centroids : p.v_centroids)[i];
+  // The tables in shared memory, this sequence's placement, and where the exact first rows start.  Thread 0 reads the
+  // lengths for the CTA and, once it holds seen, arrives on the sequence's counter (`ticket`): the last CTA to arrive
+  // advances seen as it ends, when every CTA has read it.  Arriving here rather than after the coding hides the
+  // atomic's round trip behind the coding (0.4-0.6 us of a decode step's append, BENCHMARKS.md).
+  // The tables come by asynchronous copies (cp.async): every load is in flight at once and no thread waits on one
+  // before the barrier.  Loops of load-then-store waited one round trip to memory per iteration (ptxas kept a load's
+  // store next to it however the loads were written): a decode step's single warp took seven in a row at D = 128,
+  // eleven at 256.
+  __shared__ int lengths[3];  // n_new, seen, start of this sequence
+  auto stage = [&](Placement& at, int& start, int& ticket) {
+    int n_new = 0, seen = 0, first_at = 0;
+    if (threadIdx.x == 0) {
+      n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
+      seen = p.seen[b];
+      first_at = p.exact_first > 0 ? p.starts[b] : 0;
     }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) signs[i] = p.signs[i];
-    at.n_new = p.new_lengths != nullptr ? p.new_lengths[b] : p.tokens;
+    const uint4* grid_src = reinterpret_cast<const uint4*>(is_key ? p.k_grid : p.v_grid);
+    const float* bounds_src = is_key ? p.k_bounds : p.v_bounds;
+    const float* centroids_src = is_key ? p.k_centroids : p.v_centroids;
+    for (int i = threadIdx.x; i < grid_size / 16; i += blockDim.x)
+      copy_async<16>(reinterpret_cast<uint4*>(grid) + i, grid_src + i);
+    for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) {
+      copy_async<4>(bounds + i, bounds_src + i);
+      copy_async<4>(centroids + i, centroids_src + i);
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) copy_async<4>(signs + i, p.signs + i);
+    if (threadIdx.x == 0) {
+      lengths[0] = n_new, lengths[1] = seen, lengths[2] = first_at;
+      // The add depends on seen's value (seen >= 0), so the arrival cannot be performed before the read of it.
+      if (p.arrivals != nullptr) ticket = atomicAdd(p.arrivals + b * p.arrival_stride, 1 + min(seen, 0));
+    }
+    copy_async_wait_all();
+    __syncthreads();
+    at.n_new = lengths[0];
+    at.slot0 = lengths[1];
+    start = lengths[2];
     at.first = p.ring ? max(at.n_new - p.capacity, 0) : 0;  // a ring keeps only the last N of a long chunk
-    at.slot0 = p.seen[b];
     at.capacity = p.capacity;
     at.ring = p.ring != 0;
-    start = p.exact_first > 0 ? p.starts[b] : 0;
-    __syncthreads();
   };
   Placement at;
-  int start;
+  int start, ticket = 0;
   bool inline_exact = false;  // the exact rows written by code_tokens
   uint8_t* warp_cells = cells[threadIdx.x / 32];
   // Two disjoint branches, so that nothing of one is live in the other.
-  if (TILES && tiles) {
-    stage(at, start);
+  if (tiles) {
+    stage(at, start, ticket);
     if constexpr (TILES) {
       switch (bits) {
         case 2: code_tiles<D, DTYPE, 2, TRANSFORM>(p, is_key, b, bh, at, tab, tile_grid, warp_cells); break;
@@ -970,12 +1012,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
     // The first rows are fetched before the tables are staged and the lengths read (any token below T is a valid
     // address), so that a decode step waits for one round trip to memory rather than three.
     const Rows<DTYPE, PL> rows = first_rows<D, PL, DTYPE>(p, is_key, b, bh % p.num_kv_heads);
-    stage(at, start);
+    stage(at, start, ticket);
     // A decode step (the short path) writes the exact rows from the registers it codes the tokens from.
-    ExactInline exact{at.n_new, at.slot0, start};
+    const ExactRows exact{at.n_new, at.slot0, start};
     if constexpr (PL == short_chunk_per_lane<D>())
       inline_exact = exact_rows_inline<DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads);
-    const ExactInline* ex = inline_exact ? &exact : nullptr;
+    const ExactRows* ex = inline_exact ? &exact : nullptr;
     switch (bits) {
       case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
       case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
@@ -985,22 +1027,18 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
       case 8: code_tokens<D, PL, DTYPE, 8>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
     }
   }
-  const int n_new = at.n_new, slot0 = at.slot0;
+  const int n_new = at.n_new;
   if ((p.exact_recent > 0 || p.exact_first > 0) && !inline_exact)
-    copy_exact_rows<D, DTYPE>(p, is_key, b, bh % p.num_kv_heads, n_new, slot0, start);
-  // The last CTA of this sequence to arrive advances its length.  Every thread read it (slot0) at the start and used
-  // the value before this barrier, so no read can still be pending when the count completes: no fence is needed, and
-  // the update is a fire-and-forget reduction (nothing in this launch reads it back).  One counter per sequence: a
-  // single one took every CTA's atomic at one address (512 at B = 32 with 8 KV heads).
+    copy_exact_rows<D, DTYPE>(p, is_key, b, bh % p.num_kv_heads, ExactRows{n_new, at.slot0, start});
+  // The last CTA of this sequence to arrive (stage) advances its length.  Only thread 0 of each CTA read it, and each
+  // arrived after its read had returned, so no read can still be pending: no fence is needed, and the update is a
+  // fire-and-forget reduction (nothing in this launch reads it back).  One counter per sequence: a single one took
+  // every CTA's atomic at one address (512 at B = 32 with 8 KV heads).
   if (p.arrivals == nullptr) return;  // the caller advances the lengths
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* const arrivals = p.arrivals + b * p.arrival_stride;
-    const int ctas = static_cast<int>(gridDim.x) * p.num_kv_heads * 2;  // every token block, KV head and side
-    if (atomicAdd(arrivals, 1) == ctas - 1) {
-      atomicAdd(p.seen + b, n_new);
-      *arrivals = 0;  // ready for the next launch (and the next replay of a captured graph)
-    }
+  const int ctas = static_cast<int>(gridDim.x) * p.num_kv_heads * 2;  // every token block, KV head and side
+  if (threadIdx.x == 0 && ticket == ctas - 1) {
+    atomicAdd(p.seen + b, n_new);
+    p.arrivals[b * p.arrival_stride] = 0;  // ready for the next launch (and the next replay of a captured graph)
   }
 }
 
