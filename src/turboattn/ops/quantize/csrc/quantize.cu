@@ -21,8 +21,8 @@
 // instead (the rotation's first stage on tensor cores; its section below), in a kernel of its own.
 //
 // One launch does the whole append: the cache's exact rows (recent window, first tokens) take the raw vectors of
-// the tokens they keep, and the last CTA to finish advances the lengths (an arrival counter: every CTA has read
-// them by then), so a decode step's append is one kernel, also inside a CUDA graph.
+// the tokens they keep, and the last CTA of each sequence to arrive on its arrival counter (each arrives once it has
+// read the lengths) advances them as it ends, so a decode step's append is one kernel, also inside a CUDA graph.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -425,7 +425,6 @@ struct ExactRows {
 // A decode step's exact rows, written from the registers that hold the token for its coding (the short path), rather
 // than read again by copy_exact_rows: the lane's PL raw values.  For rows of the input's dtype, 16-byte aligned
 // (exact_rows_inline checks).
-
 template <int D, int PL, int DTYPE>
 __device__ __forceinline__ void write_exact_rows(const QuantizeParams& p, int side, int b, int h, int t,
                                                  const RawRow<DTYPE, PL>& raw, const ExactRows& ex) {

@@ -30,9 +30,10 @@ struct QuantizeParams {
   const float* signs;      // [D]
   const float* key_shift;  // [B, Hkv, D] float32 or nullptr: keys are coded as (k - shift) * gain
   const float* key_gain;
-  // [B]: token 0 of sequence b is position seen[b], in slot seen[b] (modulo the capacity for a ring).  Read by every
-  // CTA of sequence b as it starts; the last of them to finish advances it by the real tokens (arrivals +
-  // b * arrival_stride: sequence b's counter, zeroed and left zero; nullptr: the caller advances it).
+  // [B]: token 0 of sequence b is position seen[b], in slot seen[b] (modulo the capacity for a ring).  Read by thread 0
+  // of every CTA of sequence b as it starts, which then arrives on the counter (arrivals + b * arrival_stride:
+  // sequence b's counter, zeroed and left zero); the last to arrive advances it by the real tokens as it ends
+  // (nullptr: the caller advances it).
   int* seen;
   int* arrivals;
   int arrival_stride;
