@@ -119,3 +119,30 @@ def test_passkey_caches_carry_the_cache_options():
     assert cache.scale_dtype == torch.bfloat16
     plain = cli.build_parser().parse_args(["eval", "--passkey-lengths", "512", "--passkey-presets", "k4v4"])
     assert list(ev.passkey_caches(plain, head_dim=64)) == ["k4v4-center"]  # the names of earlier results
+
+
+def test_peer_cache_on_a_sliding_window_model_applies_the_window():
+    """transformers' QuantizedCache refuses Gemma-3; the eval builds the peer's layers by hand, full length, and
+    relies on the attention's mask for the sliding window.  With the peer's quantization made exact, its cache must
+    give the exact cache's logits over a sequence several windows long (a window not applied would change them)."""
+    pytest.importorskip("optimum.quanto")
+    from transformers import DynamicCache
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    from turboattn.cli.eval.peers import peer_default_method
+    model = tiny_gemma3()
+    assert model.config.sliding_window == 8
+    cache = peer_default_method("quanto-int4", residual=4).make_cache(model)
+    assert all(isinstance(layer, QuantoQuantizedLayer) for layer in cache.layers)
+    ids = random_ids(40)
+    with torch.no_grad():
+        ref = teacher_forced_logits(model, ids, DynamicCache(config=model.config), prefill=12).double()
+        exact = pytest.MonkeyPatch()
+        exact.setattr(QuantoQuantizedLayer, "_quantize", lambda self, x, axis: x.clone())
+        exact.setattr(QuantoQuantizedLayer, "_dequantize", lambda self, x: x)
+        try:
+            got = teacher_forced_logits(model, ids, cache, prefill=12).double()
+        finally:
+            exact.undo()
+    # float32 attention over the same keys in another order of operations: rounding only.
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()

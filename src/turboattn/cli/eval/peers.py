@@ -76,7 +76,10 @@ def _cache_of(layers):
 
 
 def peer_default_method(peer: str, residual: int = 128) -> Method:
-    """The peer's own cache class as users call it (residual recent tokens in full precision), token by token."""
+    """The peer's own cache class as users call it (residual recent tokens in full precision), token by token.
+
+    Sliding-window models (Gemma-3) get the peer's layer class on every layer, built as a user would by hand:
+    transformers' QuantizedCache refuses them."""
     backend, bits = peer.rsplit("-", 1)
     bits = int(bits.removeprefix("int"))
     if backend == "turboquant":
@@ -91,8 +94,15 @@ def peer_default_method(peer: str, residual: int = 128) -> Method:
             return cache
     else:
         from transformers import QuantizedCache
+        from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
         def make(model):
+            config = model.config.get_text_config(decoder=True)
+            if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+                # QuantizedCache refuses sliding-window models; its layers do not: one full-length layer per model
+                # layer, whose keys the attention's mask limits to the window (as peer_strict_method's layers).
+                layer = QuantoQuantizedLayer if backend == "quanto" else HQQQuantizedLayer
+                return _cache_of([layer(nbits=bits, residual_length=residual) for _ in range(config.num_hidden_layers)])
             return QuantizedCache(backend, model.config, nbits=bits, residual_length=residual)
     return Method(f"{peer}-r{residual}", backend, make, step=1,
                   info=dict(peer=peer, residual=residual, bits=bits, mode="default"))
