@@ -121,7 +121,7 @@ def test_passkey_caches_carry_the_cache_options():
     assert list(ev.passkey_caches(plain, head_dim=64)) == ["k4v4-center"]  # the names of earlier results
 
 
-def test_peer_cache_on_a_sliding_window_model_applies_the_window():
+def test_peer_cache_on_a_sliding_window_model_applies_the_window(monkeypatch):
     """transformers' QuantizedCache refuses Gemma-3; the eval builds the peer's layers by hand, full length, and
     relies on the attention's mask for the sliding window.  With the peer's quantization made exact, its cache must
     give the exact cache's logits over a sequence several windows long (a window not applied would change them)."""
@@ -135,14 +135,10 @@ def test_peer_cache_on_a_sliding_window_model_applies_the_window():
     cache = peer_default_method("quanto-int4", residual=4).make_cache(model)
     assert all(isinstance(layer, QuantoQuantizedLayer) for layer in cache.layers)
     ids = random_ids(40)
+    monkeypatch.setattr(QuantoQuantizedLayer, "_quantize", lambda self, x, axis: x.clone())
+    monkeypatch.setattr(QuantoQuantizedLayer, "_dequantize", lambda self, x: x)
     with torch.no_grad():
         ref = teacher_forced_logits(model, ids, DynamicCache(config=model.config), prefill=12).double()
-        exact = pytest.MonkeyPatch()
-        exact.setattr(QuantoQuantizedLayer, "_quantize", lambda self, x, axis: x.clone())
-        exact.setattr(QuantoQuantizedLayer, "_dequantize", lambda self, x: x)
-        try:
-            got = teacher_forced_logits(model, ids, cache, prefill=12).double()
-        finally:
-            exact.undo()
+        got = teacher_forced_logits(model, ids, cache, prefill=12).double()
     # float32 attention over the same keys in another order of operations: rounding only.
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()

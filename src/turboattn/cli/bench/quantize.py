@@ -92,8 +92,7 @@ def _decode_row(case, backend, device) -> dict:
     eager_us = (time.perf_counter() - start) / (20 * calls) * 1e6
     return {"kind": "decode", "backend": backend, "B": b, "Hkv": hkv, "D": d, "T": t, "k_bits": bits[0],
             "v_bits": bits[1], "exact_first": first, "exact_recent": recent, "key_transform": transform,
-            "graph_us": graph_us,
-            "eager_us": eager_us}
+            "graph_us": graph_us, "eager_us": eager_us}
 
 
 def run(args) -> int:
