@@ -1018,16 +1018,35 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaI
 // or v scores NaN where it is seen, as fresh tokens do.  scratch: shared memory (the code tables' space, unused by
 // this CTA); q_s: shared [MAX_ROWS][D]; signs: shared [D].
 constexpr int EXACT_CHUNK = WARPS * 32;
+// Steps of 8 dims whose loads the exact part issues together: a row then costs D / 8 / exact_steps round trips to
+// memory instead of D / 8 (the exact rows are rarely still in L2 when a decode step reads them: the splits stream
+// the cache through it).  Two at D = 512, whose kernels hold 128 registers.
+template <int D>
+__host__ __device__ constexpr int exact_steps() { return D >= 512 ? 2 : 4; }
 
-// Eight consecutive elements of an exact row (16 or 32 bytes, aligned) as floats.
-__device__ __forceinline__ void load8(const char* row, int dtype, int d0, float (&x)[8]) {
+// Eight consecutive elements of an exact row (16 or 32 bytes, aligned), as loaded (b: float32 rows only).
+struct Raw8 {
+  uint4 a, b;
+};
+__device__ __forceinline__ Raw8 load_raw8(const char* row, int dtype, int d0) {
+  Raw8 r;
   if (dtype == 2) {
-    const float4 a = reinterpret_cast<const float4*>(row)[d0 / 4], b = reinterpret_cast<const float4*>(row)[d0 / 4 + 1];
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    r.a = reinterpret_cast<const uint4*>(row)[d0 / 4], r.b = reinterpret_cast<const uint4*>(row)[d0 / 4 + 1];
+  } else {
+    r.a = reinterpret_cast<const uint4*>(row)[d0 / 8], r.b = make_uint4(0u, 0u, 0u, 0u);
+  }
+  return r;
+}
+
+// ... as floats.
+__device__ __forceinline__ void to_floats8(const Raw8& r, int dtype, float (&x)[8]) {
+  if (dtype == 2) {
+    x[0] = __uint_as_float(r.a.x), x[1] = __uint_as_float(r.a.y), x[2] = __uint_as_float(r.a.z);
+    x[3] = __uint_as_float(r.a.w), x[4] = __uint_as_float(r.b.x), x[5] = __uint_as_float(r.b.y);
+    x[6] = __uint_as_float(r.b.z), x[7] = __uint_as_float(r.b.w);
     return;
   }
-  const uint4 w = reinterpret_cast<const uint4*>(row)[d0 / 8];
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  const uint32_t words[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (dtype == 1) {
@@ -1114,23 +1133,35 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
       for (int r = 0; r < MAX_ROWS; ++r) dot[r] = 0.f;
       bool finite = true;
       if (kr != nullptr) {
+        constexpr int EXACT_STEPS = exact_steps<D>();
+        static_assert(D % (8 * EXACT_STEPS) == 0, "whole rounds of steps");
 #pragma unroll 1
-        for (int d0 = 0; d0 < D; d0 += 8) {
-          float kx[8], vx[8];
-          load8(kr, p.exact_dtype, d0, kx);
-          load8(vr, p.exact_dtype, d0, vx);
+        for (int d1 = 0; d1 < D; d1 += 8 * EXACT_STEPS) {
+          Raw8 k_raw[EXACT_STEPS], v_raw[EXACT_STEPS];  // every load of the round in flight before the first use
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            finite = finite && isfinite(kx[e]) && isfinite(vx[e]);
-            kx[e] -= shift_s[d0 + e];
+          for (int u = 0; u < EXACT_STEPS; ++u) {
+            k_raw[u] = load_raw8(kr, p.exact_dtype, d1 + 8 * u);
+            v_raw[u] = load_raw8(vr, p.exact_dtype, d1 + 8 * u);
           }
 #pragma unroll
-          for (int r = 0; r < MAX_ROWS; ++r) {
-            if (r >= rows) break;  // the same for every thread
-            const float4 qa = *reinterpret_cast<const float4*>(q_s + r * D + d0);
-            const float4 qb = *reinterpret_cast<const float4*>(q_s + r * D + d0 + 4);
-            dot[r] += qa.x * kx[0] + qa.y * kx[1] + qa.z * kx[2] + qa.w * kx[3] + qb.x * kx[4] + qb.y * kx[5] +
-                      qb.z * kx[6] + qb.w * kx[7];
+          for (int u = 0; u < EXACT_STEPS; ++u) {
+            const int d0 = d1 + 8 * u;
+            float kx[8], vx[8];
+            to_floats8(k_raw[u], p.exact_dtype, kx);
+            to_floats8(v_raw[u], p.exact_dtype, vx);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              finite = finite && isfinite(kx[e]) && isfinite(vx[e]);
+              kx[e] -= shift_s[d0 + e];
+            }
+#pragma unroll
+            for (int r = 0; r < MAX_ROWS; ++r) {
+              if (r >= rows) break;  // the same for every thread
+              const float4 qa = *reinterpret_cast<const float4*>(q_s + r * D + d0);
+              const float4 qb = *reinterpret_cast<const float4*>(q_s + r * D + d0 + 4);
+              dot[r] += qa.x * kx[0] + qa.y * kx[1] + qa.z * kx[2] + qa.w * kx[3] + qb.x * kx[4] + qb.y * kx[5] +
+                        qb.z * kx[6] + qb.w * kx[7];
+            }
           }
         }
       }
