@@ -1009,18 +1009,19 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaI
 
 // The exact part (the CTA of part num_splits, in the kernels built for caches with exact rows): the
 // exact first tokens and the exact recent window, attended in full precision in the model's domain (scores
-// q . (k - key_shift), as the fresh tokens'), EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
-// beside the splits and must not outlast them), with no cross-lane reductions: a thread per exact row computes
-// that row's scores against every query row (q broadcast from shared memory), a warp per query row runs the
-// online softmax, then each thread accumulates two output dims over a group of the rows.  The groups' outputs
+// q . (k - key_shift), as the fresh tokens'), up to EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
+// beside the splits and must not outlast them, and each of its round trips to memory is long while they stream):
+// T threads per exact row compute that row's scores against every query row (q from shared memory; their partial
+// sums meet in log2 T shuffles), a warp per query row runs the online softmax, then each thread accumulates two
+// output dims over a group of the rows, a batch of rows' loads in flight at a time.  The groups' outputs
 // are added in a fixed order, normalized and rotated into the codes' domain, y = H (signs x) / sqrt(D) (the
 // merge's rotation back inverts it), so the merge takes the result as one more part.  A row with a non-finite k
 // or v scores NaN where it is seen, as fresh tokens do.  scratch: shared memory (the code tables' space, unused by
 // this CTA); q_s: shared [MAX_ROWS][D]; signs: shared [D].
 constexpr int EXACT_CHUNK = WARPS * 32;
-// Steps of 8 dims whose loads the exact part issues together: a row then costs D / 8 / exact_steps round trips to
-// memory instead of D / 8 (the exact rows are rarely still in L2 when a decode step reads them: the splits stream
-// the cache through it).  Two at D = 512, whose kernels hold 128 registers.
+// Steps of 8 dims whose loads a thread of the exact part issues together: a row's thread then costs D / 8 / T /
+// exact_steps round trips to memory instead of D / 8 / T (the exact rows are rarely still in L2 when a decode step
+// reads them: the splits stream the cache through it).  Two at D = 512, whose kernels hold 128 registers.
 template <int D>
 __host__ __device__ constexpr int exact_steps() { return D >= 512 ? 2 : 4; }
 
@@ -1108,10 +1109,19 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
     for (int i = 0; i < 2 * PPT; ++i) acc[r][i] = 0.f;
   __syncthreads();
 
-  for (int c0 = 0; c0 < total; c0 += CH) {
-    // Scores of exact row j = c0 + tid (first rows, then the window's).
+  // T threads per exact row (a power of two, uniform): as many as keep every thread busy over the rows, at most a
+  // warp and at most one per 8-dim step.  Thread tid takes row c0 + tid / T of a chunk of CR = THREADS / T rows, and
+  // its steps sub + T u (sub = tid % T): a row's threads read adjacent 16-byte pieces, and a row costs
+  // D / (8 T EXACT_STEPS) round trips to memory instead of D / (8 EXACT_STEPS) (the presets' 12 exact rows at
+  // D = 256: one instead of eight).  Each round trip is long here: the splits beside this CTA load the memory.
+  constexpr int EXACT_STEPS = exact_steps<D>();
+  int T = 1;
+  while (2 * T <= 32 && 2 * T * EXACT_STEPS * 8 <= D && 2 * T * total <= THREADS) T *= 2;
+  const int CR = THREADS / T;
+  for (int c0 = 0; c0 < total; c0 += CR) {
+    // Scores of exact row j = c0 + jl (first rows, then the window's).
     {
-      const int j = c0 + tid;
+      const int sub = tid & (T - 1), jl = tid / T, j = c0 + jl;
       const char *kr = nullptr, *vr = nullptr;
       int pos = 0;
       if (j < S) {
@@ -1127,25 +1137,24 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
         if (pos >= 0 && pos >= start + S)
           kr = static_cast<const char*>(p.recent_k) + off * elem, vr = static_cast<const char*>(p.recent_v) + off * elem;
       }
-      v_row[tid] = vr;
+      if (sub == 0) v_row[jl] = vr;
       float dot[MAX_ROWS];
 #pragma unroll
       for (int r = 0; r < MAX_ROWS; ++r) dot[r] = 0.f;
       bool finite = true;
       if (kr != nullptr) {
-        constexpr int EXACT_STEPS = exact_steps<D>();
-        static_assert(D % (8 * EXACT_STEPS) == 0, "whole rounds of steps");
+        const int steps = D / 8 / T;   // a multiple of EXACT_STEPS
 #pragma unroll 1
-        for (int d1 = 0; d1 < D; d1 += 8 * EXACT_STEPS) {
+        for (int u0 = 0; u0 < steps; u0 += EXACT_STEPS) {
           Raw8 k_raw[EXACT_STEPS], v_raw[EXACT_STEPS];  // every load of the round in flight before the first use
 #pragma unroll
           for (int u = 0; u < EXACT_STEPS; ++u) {
-            k_raw[u] = load_raw8(kr, p.exact_dtype, d1 + 8 * u);
-            v_raw[u] = load_raw8(vr, p.exact_dtype, d1 + 8 * u);
+            k_raw[u] = load_raw8(kr, p.exact_dtype, 8 * (sub + T * (u0 + u)));
+            v_raw[u] = load_raw8(vr, p.exact_dtype, 8 * (sub + T * (u0 + u)));
           }
 #pragma unroll
           for (int u = 0; u < EXACT_STEPS; ++u) {
-            const int d0 = d1 + 8 * u;
+            const int d0 = 8 * (sub + T * (u0 + u));
             float kx[8], vx[8];
             to_floats8(k_raw[u], p.exact_dtype, kx);
             to_floats8(v_raw[u], p.exact_dtype, vx);
@@ -1165,7 +1174,15 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
           }
         }
       }
+      // The row's T partial sums, over the aligned lanes that hold them (a row's threads share kr: uniform).
+      for (int o = 1; o < T; o <<= 1) {
 #pragma unroll
+        for (int r = 0; r < MAX_ROWS; ++r) {
+          if (r >= rows) break;
+          dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], o);
+        }
+        finite = __shfl_xor_sync(0xffffffffu, (int)finite, o) && finite;
+      }
       for (int r = 0; r < MAX_ROWS; ++r) {
         const int qpos = qpos_base + r / p.group;
         float x = -INFINITY;
@@ -1174,7 +1191,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
           if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap) * 1.4426950408889634f;
           if (!finite) x = NAN;
         }
-        s_s[r * CH + tid] = x;
+        if (sub == 0) s_s[r * CH + jl] = x;
       }
     }
     __syncthreads();
@@ -1185,7 +1202,10 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
       float x[CH / 32];
       float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < CH / 32; ++i) x[i] = srow[lane + 32 * i], mx = fmaxf(mx, x[i]);  // NaN passes by
+      for (int i = 0; i < CH / 32; ++i) {  // slots past the chunk's CR rows hold nothing
+        x[i] = lane + 32 * i < CR ? srow[lane + 32 * i] : -INFINITY;
+        mx = fmaxf(mx, x[i]);  // NaN passes by
+      }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float m_new = fmaxf(m_r[k], mx);
@@ -1210,21 +1230,32 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
     for (int r = 0; r < MAX_ROWS; ++r)
 #pragma unroll
       for (int i = 0; i < 2 * PPT; ++i) acc[r][i] *= alpha_s[r];
-    const int n = min(CH, total - c0);
+    const int n = min(CR, total - c0);
     if (group < GROUPS) {
-#pragma unroll 2
-      for (int jj = group; jj < n; jj += GROUPS) {
-        const char* vr = v_row[jj];
-        float2 v[PPT];
+      // RB rows' loads in flight before their first use: a round trip per batch, not per row or two.
+      constexpr int RB = D >= 512 ? 4 : 8;
+#pragma unroll 1
+      for (int j0 = group; j0 < n; j0 += RB * GROUPS) {
+        float2 v[RB][PPT];
 #pragma unroll
-        for (int k = 0; k < PPT; ++k)
-          v[k] = vr ? load2(vr, p.exact_dtype, 2 * (pair + k * THREADS)) : make_float2(0.f, 0.f);
+        for (int u = 0; u < RB; ++u) {
+          const int jj = j0 + u * GROUPS;
+          const char* vr = jj < n ? v_row[jj] : nullptr;
 #pragma unroll
-        for (int r = 0; r < MAX_ROWS; ++r) {
-          const float pr = s_s[r * CH + jj];
-          if (signbit(pr) && !isnan(pr)) continue;  // hidden from this query row (never 0 x inf)
+          for (int k = 0; k < PPT; ++k)
+            v[u][k] = vr ? load2(vr, p.exact_dtype, 2 * (pair + k * THREADS)) : make_float2(0.f, 0.f);
+        }
 #pragma unroll
-          for (int k = 0; k < PPT; ++k) acc[r][2 * k] += pr * v[k].x, acc[r][2 * k + 1] += pr * v[k].y;
+        for (int u = 0; u < RB; ++u) {
+          const int jj = j0 + u * GROUPS;
+          if (jj >= n) break;
+#pragma unroll
+          for (int r = 0; r < MAX_ROWS; ++r) {
+            const float pr = s_s[r * CH + jj];
+            if (signbit(pr) && !isnan(pr)) continue;  // hidden from this query row (never 0 x inf)
+#pragma unroll
+            for (int k = 0; k < PPT; ++k) acc[r][2 * k] += pr * v[u][k].x, acc[r][2 * k + 1] += pr * v[u][k].y;
+          }
         }
       }
     }
