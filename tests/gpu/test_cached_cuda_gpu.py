@@ -91,6 +91,9 @@ OPTION_CASES = [
     # D = 512: the exact part's threads take two pairs of dims each.
     (512, (4, 4), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
     (512, (4, 3), torch.float32, dict(exact_recent=24), 7),
+    # Few exact rows: several threads per row (a whole warp at D = 512 with 4 rows; 4 threads for float32 rows).
+    (512, (5, 3), torch.bfloat16, dict(exact_first=4), 1),
+    (128, (4, 4), torch.float32, dict(exact_first=4, exact_recent=4, exact_dtype=torch.float32), 1),
 ]
 
 
