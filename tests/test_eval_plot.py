@@ -90,3 +90,30 @@ def test_eval_plot_command(tmp_path, capsys):
     assert cli.main(["eval", "--plot", str(saved)]) == 0
     assert png.read_bytes() == b"kept" and "--overwrite redraws it" in capsys.readouterr().err
     assert cli.main(["eval", "--plot", str(saved), "--overwrite"]) == 0 and png.read_bytes() != b"kept"
+
+
+def test_tables_show_the_paired_comparison():
+    """A run that compared its methods with its first turboattn one on the same tokens: the console table and the
+    peers' markdown table show that column; a run without it shows neither."""
+    import io
+
+    from rich.console import Console
+
+    from turboattn.cli.eval.report import markdown_tables, print_table
+
+    report = results()
+    report["results"] = {k: r for k, r in report["results"].items() if "skipped" not in r}
+    report["corpus"] = {"name": "jargon"}
+    base = "k4v4-corrected-decode-center"
+    report["results"]["quanto-int4-r128"] |= {"paired_against": base, "ppl_vs_paired_pct": -2.1,
+                                              "ppl_vs_paired_ci95_pct": [-2.9, -1.3]}
+    out = io.StringIO()
+    print_table(report, Console(file=out, width=300))
+    assert f"vs {base}, paired %" in out.getvalue() and "-2.10 [-2.90, -1.30]" in out.getvalue()
+    text = markdown_tables(report)
+    assert f"against {base}, paired |" in text
+    assert "| quanto-int4-r128 | 4 | 128 | +0.80% [+0.0, +1.6] | 1.0% | 0.9900 / 0.900 | -2.10% [-2.9, -1.3] |" in text
+    del report["results"]["quanto-int4-r128"]["paired_against"]
+    out = io.StringIO()
+    print_table(report, Console(file=out, width=300))
+    assert "paired" not in out.getvalue() and "paired" not in markdown_tables(report)

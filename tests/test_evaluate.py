@@ -44,6 +44,30 @@ def test_compare_metrics():
     assert m["argmax_disagree_pct"] == 100 and m["attn_cos_mean"] == pytest.approx(-1, abs=1e-6)
 
 
+def test_compare_paired_cancels_the_tokens_noise():
+    """Two methods whose NLLs share each token's difficulty: against the reference their intervals overlap, paired
+    they do not, and the paired change is exp(mean difference) - 1 (float64 twin below)."""
+    g = torch.Generator().manual_seed(1)
+    n = 4000
+    ref_nll = torch.rand(n, generator=g) * 5
+    shared = torch.randn(n, generator=g) * 0.3         # the tokens' noise, the same for both methods
+    a = {"nll": ref_nll + shared}
+    b = {"nll": ref_nll + shared + 0.01 + torch.randn(n, generator=g) * 0.01}
+    ref = {"nll": ref_nll, "top": torch.zeros(n), "attn": [torch.ones(n, 4)]}
+    got_a = ev.compare(ref, a | {"top": torch.zeros(n), "attn": [torch.ones(n, 4)]})
+    got_b = ev.compare(ref, b | {"top": torch.zeros(n), "attn": [torch.ones(n, 4)]})
+    assert got_b["ppl_change_ci95_pct"][0] < got_a["ppl_change_ci95_pct"][1]   # unpaired: they overlap
+    paired = ev.compare_paired("a", a, b)
+    d = (b["nll"] - a["nll"]).double()
+    mean, se = d.mean().item(), d.std().item() / math.sqrt(n)
+    assert paired["paired_against"] == "a"
+    assert paired["ppl_vs_paired_pct"] == pytest.approx(100 * math.expm1(mean), rel=1e-5)
+    lo, hi = paired["ppl_vs_paired_ci95_pct"]
+    assert lo == pytest.approx(100 * math.expm1(mean - 2 * se), rel=1e-4)
+    assert hi == pytest.approx(100 * math.expm1(mean + 2 * se), rel=1e-4)
+    assert lo > 0   # paired, b is worse than a beyond noise
+
+
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("prefill", [3, 12, 20], ids=["tiny-prompt", "short-prompt", "fitted"])
 @pytest.mark.parametrize("exact_recent,exact_first", [(0, 0), (5, 0), (0, 4), (5, 4)],

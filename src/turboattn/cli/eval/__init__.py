@@ -64,7 +64,7 @@ from .methods import (FIT_SUFFIX, MAIN_PRESETS, MIXED_CANDIDATES, PEERS, RULES, 
 from .passkey import PASSKEY_ANSWER_TOKENS, passkey_hits, passkey_trial
 from .peers import check_peer, peer_default_method, peer_quantizer, peer_strict_method
 from .report import markdown_tables, plot, print_passkey, print_table
-from .scoring import AttnRecorder, compare, eval_tokens, quick_check, run_method, score_segment
+from .scoring import AttnRecorder, compare, compare_paired, eval_tokens, quick_check, run_method, score_segment
 
 # The command, and the names of the modules above that callers reach as `ev.<name>`
 # (`from turboattn.cli import eval as ev`: tests, demo.py).
@@ -72,8 +72,8 @@ __all__ = ["add_arguments", "run_eval", "passkey_caches", "CORPUS_INFO", "corpus
            "MIXED_CANDIDATES", "PEERS", "RULES", "Method", "bits_per_element", "parse_preset", "reference_method",
            "turbo_method", "PASSKEY_ANSWER_TOKENS", "passkey_hits", "passkey_trial", "check_peer",
            "peer_default_method", "peer_quantizer", "peer_strict_method", "markdown_tables", "plot",
-           "print_passkey", "print_table", "AttnRecorder", "compare", "eval_tokens", "quick_check", "run_method",
-           "score_segment"]   # DecodeEmulationLayer too, through __getattr__ (it needs transformers)
+           "print_passkey", "print_table", "AttnRecorder", "compare", "compare_paired", "eval_tokens", "quick_check",
+           "run_method", "score_segment"]   # DecodeEmulationLayer too, through __getattr__ (it needs transformers)
 
 
 def __getattr__(name):
@@ -282,6 +282,8 @@ def run_eval(args) -> int:
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         }
 
+    # Every method after the first turboattn one is also compared with it on the same tokens (paired).
+    paired_base = None
     with Progress(console=console, disable=not console.is_terminal) as progress:
         task = progress.add_task(f"{args.model}: reference", total=len(methods) + 1)
         ref = run_method(model, segments, args.prefill, reference_method(), recorder)
@@ -303,6 +305,10 @@ def run_eval(args) -> int:
                 # With exact buffers the cache's own count at the measured length (they are a fixed cost).
                 row["bits_per_element"] = (got["bits_per_element"] if m.info["exact_recent"] or m.info["exact_first"]
                                            else bits_per_element(m.info["preset"], head_dim, m.info["scale_dtype"]))
+            if paired_base is not None:
+                row |= compare_paired(paired_base[0], paired_base[1], got)
+            elif m.family == "turboattn":
+                paired_base = (m.name, {"nll": got["nll"]})
             results[m.name] = row
             progress.advance(task)
             if not console.is_terminal:  # logs: one line per method

@@ -13,16 +13,29 @@ def print_table(report: dict, console) -> None:
     ref = report["results"]["reference"]
     t = Table(title=f"{report['model']}: {report['segments']}x{report['scored_per_segment']} scored tokens, "
                     f"reference ppl {ref['ppl']:.3f} ({report['corpus']['name']})")
-    for col in ("method", "bits/el", "ppl change %", "95% interval", "argmax diff %", "cos mean", "cos p1"):
+    base = next((r["paired_against"] for r in report["results"].values() if "paired_against" in r), None)
+    columns = ("method", "bits/el", "ppl change %", "95% interval", "argmax diff %", "cos mean", "cos p1")
+    for col in columns + ((f"vs {base}, paired %",) if base else ()):
         t.add_column(col, justify="right")
     for name, r in report["results"].items():
         if name == "reference":
             continue
         lo, hi = r["ppl_change_ci95_pct"]
         bpe = f"{r['bits_per_element']:.3f}" if "bits_per_element" in r else ""
-        t.add_row(name, bpe, f"{r['ppl_change_pct']:+.2f}", f"[{lo:+.2f}, {hi:+.2f}]",
-                  f"{r['argmax_disagree_pct']:.2f}", f"{r['attn_cos_mean']:.5f}", f"{r['attn_cos_p1']:.4f}")
+        cells = [name, bpe, f"{r['ppl_change_pct']:+.2f}", f"[{lo:+.2f}, {hi:+.2f}]",
+                 f"{r['argmax_disagree_pct']:.2f}", f"{r['attn_cos_mean']:.5f}", f"{r['attn_cos_p1']:.4f}"]
+        if base:
+            cells.append(paired_cell(r))
+        t.add_row(*cells)
     console.print(t)
+
+
+def paired_cell(r: dict) -> str:
+    """A row's perplexity against the run's first turboattn method on the same tokens, with its 95% interval."""
+    if "ppl_vs_paired_pct" not in r:
+        return ""
+    lo, hi = r["ppl_vs_paired_ci95_pct"]
+    return f"{r['ppl_vs_paired_pct']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
 def print_passkey(report: dict, console) -> None:
@@ -251,9 +264,9 @@ def markdown_tables(report: dict) -> str:
              "| preset | bits/el | rule | key fit | decode: ppl change | strict: ppl change | argmax diff (decode) "
              "| attn cos mean / p1 (decode) |", "|---|---|---|---|---|---|---|---|"]
 
-    def pct(r):
-        lo, hi = r["ppl_change_ci95_pct"]
-        return f"{r['ppl_change_pct']:+.2f}% [{lo:+.1f}, {hi:+.1f}]"
+    def pct(r, key="ppl_change"):
+        lo, hi = r[f"{key}_ci95_pct"]
+        return f"{r[f'{key}_pct']:+.2f}% [{lo:+.1f}, {hi:+.1f}]"
     presets = dict.fromkeys(r["preset"] for r in res.values() if r.get("family") == "turboattn")
     # Cache options beside the preset: exact first tokens, exact window (and whether sliding layers keep it), scales.
     options = sorted({(r.get("exact_first", 0), r.get("exact_recent", 0), r.get("recent_sliding", True),
@@ -275,10 +288,16 @@ def markdown_tables(report: dict) -> str:
                      f"{any_row['attn_cos_mean']:.4f} / {any_row['attn_cos_p1']:.3f} |")
     peers = {k: r for k, r in res.items() if r.get("family") not in (None, "turboattn")}
     if peers:
-        lines += ["", "| peer | bits | residual | ppl change | argmax diff | attn cos mean / p1 |", "|---|---|---|---|---|---|"]
+        base = next((r["paired_against"] for r in peers.values() if "paired_against" in r), None)
+        paired = f" against {base}, paired |" if base else ""
+        lines += ["", "| peer | bits | residual | ppl change | argmax diff | attn cos mean / p1 |" + paired,
+                  "|---|---|---|---|---|---|" + ("---|" if base else "")]
         for k, r in peers.items():
-            lines.append(f"| {k} | {r['bits']} | {r['residual']} | {pct(r)} | {r['argmax_disagree_pct']:.1f}% | "
-                         f"{r['attn_cos_mean']:.4f} / {r['attn_cos_p1']:.3f} |")
+            row = (f"| {k} | {r['bits']} | {r['residual']} | {pct(r)} | {r['argmax_disagree_pct']:.1f}% | "
+                   f"{r['attn_cos_mean']:.4f} / {r['attn_cos_p1']:.3f} |")
+            if base:
+                row += f" {pct(r, 'ppl_vs_paired')} |" if "ppl_vs_paired_pct" in r else " |"
+            lines.append(row)
     if report.get("passkey"):
         pk = report["passkey"]
         lengths = list(next(iter(pk.values())))

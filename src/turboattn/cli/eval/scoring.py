@@ -55,22 +55,37 @@ def score_segment(model, tokens: torch.Tensor, prefill: int, method: Method, rec
     return torch.cat(nll), torch.cat(top), recorder.take(), cache
 
 
+def ppl_change(d: torch.Tensor) -> tuple[float, list[float]]:
+    """The perplexity change in percent that per-token NLL differences d (nats) make, and its 95% interval (two
+    standard errors of the mean difference): paired, since both sides scored the same tokens."""
+    mean, se = d.mean().item(), d.std().item() / math.sqrt(d.numel())
+    return 100 * (math.exp(mean) - 1), [100 * (math.exp(mean - 2 * se) - 1), 100 * (math.exp(mean + 2 * se) - 1)]
+
+
 def compare(ref: dict, got: dict) -> dict:
     """Metrics (A), (B), (C) of one method against the reference, over all segments."""
     d = got["nll"] - ref["nll"]
     n = d.numel()
-    mean, se = d.mean().item(), d.std().item() / math.sqrt(n)
+    change, interval = ppl_change(d)
     cos = torch.cat([torch.nn.functional.cosine_similarity(a, b, dim=-1)
                      for a, b in zip(ref["attn"], got["attn"])])
     return {
         "ppl": math.exp(got["nll"].mean().item()),
-        "ppl_change_pct": 100 * (math.exp(mean) - 1),
-        "ppl_change_ci95_pct": [100 * (math.exp(mean - 2 * se) - 1), 100 * (math.exp(mean + 2 * se) - 1)],
+        "ppl_change_pct": change,
+        "ppl_change_ci95_pct": interval,
         "argmax_disagree_pct": 100 * (got["top"] != ref["top"]).float().mean().item(),
         "attn_cos_mean": cos.mean().item(),
         "attn_cos_p1": torch.quantile(cos, 0.01).item(),
         "scored_tokens": n,
     }
+
+
+def compare_paired(base_name: str, base: dict, got: dict) -> dict:
+    """`got`'s perplexity against another method's (`base`, run on the same segments), token by token.  Two methods'
+    intervals against the reference can overlap while the paired one does not: most of each method's noise is the
+    tokens', which the pairing cancels."""
+    change, interval = ppl_change(got["nll"] - base["nll"])
+    return {"paired_against": base_name, "ppl_vs_paired_pct": change, "ppl_vs_paired_ci95_pct": interval}
 
 
 def eval_tokens(tokenizer, segments: int, length: int) -> list[torch.Tensor]:
