@@ -46,3 +46,30 @@ def test_phases_are_read_at_the_clock_the_global_timer_gives():
     assert r["parts_last_us"] == pytest.approx(0.06 + 14.25)
     assert r["end_us"] == pytest.approx(0.02 + 14.25 + 5.0)   # the merging CTA ends last
     assert r["group_merge_us"] == 0.0
+
+
+def test_exact_rows_ctas_are_timed_apart_from_the_splits():
+    """The grid's last CTAs attend the exact rows and stamp only their start, part and end: the splits' medians
+    leave them out (more exact CTAs than splits here, so with them every median would move), and their own
+    median time to their part and the last one's part are reported."""
+    s = _stamps(7, ghz=1.75)
+    n = 8
+    exact = torch.zeros(n, phases.SLOTS, dtype=torch.int64)
+    for k in range(n):
+        clock = 90000 + 1000 * k
+        t = 3.0 + 0.5 * k
+        exact[k, phases.G_START] = 1000 + 5 * k
+        exact[k, phases.START] = clock
+        exact[k, phases.PART_DONE] = clock + round(t * 1e3 * 1.75)
+        exact[k, phases.G_PART] = 1000 + 5 * k + round(t * 1e3)
+        exact[k, phases.END] = exact[k, phases.PART_DONE] + round(0.1 * 1e3 * 1.75)
+        exact[k, phases.G_END] = exact[k, phases.G_PART] + 100
+        exact[k, phases.SM] = k % 3
+    r = phases.summarize(torch.cat([s, exact]), exact_ctas=n)
+    alone = phases.summarize(s)
+    for key in ("staged_us", "tables_us", "q_us", "loop_us", "loop_max_us", "warps_us", "combine_us",
+                "parts_median_us"):
+        assert r[key] == pytest.approx(alone[key], abs=2e-3), key   # the clock rate: over all CTAs, rounded stamps
+    assert r["exact_ctas"] == n and r["exact_us"] == pytest.approx(3.0 + 0.5 * 3.5, abs=2e-3)
+    assert r["exact_last_us"] == pytest.approx(0.035 + 6.5)
+    assert alone["exact_ctas"] == 0 and alone["exact_us"] == 0.0 and alone["exact_last_us"] == 0.0

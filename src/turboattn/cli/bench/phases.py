@@ -10,6 +10,10 @@ end (µs after the first CTA started), and how many CTAs each SM ran.
 
   turboattn bench phases --shapes 1,32,8,128,32768 1,16,2,512,32768 --bits k4v4
 
+With exact rows (--exact-first / --exact-recent) the grid's last CTAs attend them (one per sequence x KV head): the
+phase medians are then the splits' alone, and two more columns give the exact CTAs' median time to their part and
+when the last of them wrote it.
+
 The stamps cost a few instructions per phase; time the shipped build with `turboattn bench decode`.
 """
 
@@ -24,6 +28,7 @@ from ... import KVCodec, cached_attention
 from ...ops.cached import cuda as cuda_path
 from ...ops.cached.triton import part_buffers
 from ...ops.cuda_extension import stamped_extension
+from ..args import non_negative_int
 from .args import add_out, presets, shape
 from .common import environment, print_table, require_cuda, write_results
 from .decode import SHAPES, fill_cache
@@ -37,6 +42,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shapes", nargs="+", type=shape, default=SHAPES, metavar="B,Hq,Hkv,D,L",
                         help="decode shapes (default: the six of `bench decode`)")
     parser.add_argument("--bits", type=presets, default=presets("k4v4"), help="comma list (default k4v4)")
+    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the caches' scale dtype (KVCodec(scale_dtype=))")
+    parser.add_argument("--exact-first", type=non_negative_int, default=0,
+                        help="QuantizedKVCache(exact_first=): the first tokens kept exact")
+    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
+                        help="QuantizedKVCache(exact_recent=): the newest tokens kept exact")
     add_out(parser)
 
 
@@ -58,9 +69,12 @@ def stamped_call(q: torch.Tensor, cache) -> torch.Tensor:
     return held["stamps"].cpu()
 
 
-def summarize(stamps: torch.Tensor) -> dict:
-    """Phase times (µs) from one call's stamps: per-CTA clock intervals at the clock rate the global timer gives."""
+def summarize(stamps: torch.Tensor, exact_ctas: int = 0) -> dict:
+    """Phase times (µs) from one call's stamps: per-CTA clock intervals at the clock rate the global timer gives.
+    The last `exact_ctas` CTAs attend exact rows (start, part written and end only): the splits' phases are taken
+    over the others."""
     s = stamps.double()
+    splits = torch.arange(s.shape[0]) < s.shape[0] - exact_ctas
     wall = s[:, G_END] - s[:, G_START]                     # ns
     ticks = s[:, END] - s[:, START]
     ghz = statistics.median((ticks / wall.clamp(min=1)).tolist())
@@ -69,8 +83,8 @@ def summarize(stamps: torch.Tensor) -> dict:
     merging = s[:, MERGE] > 0
     grouping = s[:, GROUP_MERGE] > 0
 
-    def med(a, b, rows=None):
-        x = us(s[:, b] - s[:, a]) if rows is None else us(s[rows, b] - s[rows, a])
+    def med(a, b, rows=splits):
+        x = us(s[rows, b] - s[rows, a])
         return statistics.median(x.tolist()) if x.numel() else 0.0
     per_sm = torch.bincount(stamps[:, SM].long())
     per_sm = per_sm[per_sm > 0]
@@ -79,15 +93,18 @@ def summarize(stamps: torch.Tensor) -> dict:
         "ctas_per_sm": {"min": int(per_sm.min()), "max": int(per_sm.max())},
         "start_spread_us": float((s[:, G_START].max() - t0) / 1e3),
         "staged_us": med(START, STAGED), "tables_us": med(STAGED, TABLES), "q_us": med(TABLES, READY),
-        "loop_us": med(READY, LOOP_DONE), "loop_max_us": float(us(s[:, LOOP_DONE] - s[:, READY]).max()),
+        "loop_us": med(READY, LOOP_DONE), "loop_max_us": float(us(s[splits, LOOP_DONE] - s[splits, READY]).max()),
         "warps_us": med(LOOP_DONE, WARPS_DONE), "combine_us": med(WARPS_DONE, PART_DONE),
-        "parts_median_us": float((s[:, G_PART].median() - t0) / 1e3),
+        "parts_median_us": float((s[splits, G_PART].median() - t0) / 1e3),
         "parts_last_us": float((s[:, G_PART].max() - t0) / 1e3),
         "group_merge_us": med(GROUP_MERGE, END, grouping) if grouping.any() else 0.0,
         "merge_us": med(MERGE, END, merging), "arrive_us": med(PART_DONE, MERGE, merging),
         "merge_weights_us": med(MERGE, MERGE_WEIGHTS, merging),
         "merge_sum_us": med(MERGE_WEIGHTS, MERGE_SUMMED, merging), "merge_out_us": med(MERGE_SUMMED, END, merging),
         "end_us": float((s[:, G_END].max() - t0) / 1e3),
+        "exact_ctas": exact_ctas,
+        "exact_us": med(START, PART_DONE, ~splits),
+        "exact_last_us": float((s[~splits, G_PART].max() - t0) / 1e3) if exact_ctas else 0.0,
     }
 
 
@@ -96,13 +113,16 @@ def run(args) -> int:
     results = []
     for bits in args.bits:
         for b, hq, hkv, d, length in args.shapes:
-            codec = KVCodec(d, *bits)
-            cache = fill_cache(codec, b, hkv, length, device)
+            codec = KVCodec(d, *bits, scale_dtype=getattr(torch, args.scale_dtype))
+            cache = fill_cache(codec, b, hkv, length, device, exact_first=args.exact_first,
+                               exact_recent=args.exact_recent)
+            exact_ctas = b * hkv if args.exact_first or args.exact_recent else 0
             q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
             for _ in range(3):
                 stamped_call(q, cache)   # build, warm up
             row = {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "L": length, "k_bits": bits[0], "v_bits": bits[1],
-                   **summarize(stamped_call(q, cache))}
+                   "exact_first": args.exact_first, "exact_recent": args.exact_recent,
+                   "scale_dtype": args.scale_dtype, **summarize(stamped_call(q, cache), exact_ctas)}
             results.append(row)
             del cache
             torch.cuda.empty_cache()
@@ -114,6 +134,10 @@ def run(args) -> int:
              r["tables_us"], r["q_us"], r["loop_us"], r["loop_max_us"], r["warps_us"], r["combine_us"],
              r["parts_median_us"], r["parts_last_us"], r["group_merge_us"], r["arrive_us"], r["merge_us"],
              r["merge_weights_us"], r["merge_sum_us"], r["merge_out_us"], r["end_us"]] for r in results]
+    if any(r["exact_ctas"] for r in results):   # the exact rows' CTAs: median time to their part, and the last one
+        cols += ["exact", "exact last"]
+        for row, r in zip(rows, results):
+            row += [r["exact_us"], r["exact_last_us"]] if r["exact_ctas"] else ["", ""]
     env = environment()
     print_table(f"CUDA decode phases (µs; medians over CTAs unless 'last' / 'max'), {env['gpu']}", cols, rows)
     write_results(args.out, "phases", {"env": env, "shapes": results})

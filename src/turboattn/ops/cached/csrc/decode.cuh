@@ -47,7 +47,8 @@ static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query r
 // in o_part (the probe allocates the room): slots 10 / 11 / 12 the global timer at the start / part written / end,
 // 13 the SM, the others the SM clock at: 1 start, 2 loads issued, 9 tables built, 3 q fragments
 // ready, 4 main loop done (warp 0), 0 every warp done, 5 part written, 8 group merge started, 6 final merge started,
-// 14 merge weights ready, 15 parts summed, 7 end.
+// 14 merge weights ready, 15 parts summed, 7 end.  The exact rows' CTAs (the grid's last) stamp 1, 5, 7 and the
+// global timer only.
 constexpr int STAMP_SLOTS = 16;
 #ifdef TURBOATTN_STAMPS
 template <int D>
@@ -1329,8 +1330,12 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   if constexpr (EXACT) {
     if (split == p.num_splits) {
       exact_part<D>(p, code_tables, q_rot, signs);
+      TURBOATTN_STAMP(5);
+      TURBOATTN_STAMP(11);
       if (p.counters != nullptr)
         join_and_merge<D>(p, cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
+      TURBOATTN_STAMP(7);
+      TURBOATTN_STAMP(12);
       return;
     }
   }
