@@ -49,7 +49,7 @@ def test_phases_are_read_at_the_clock_the_global_timer_gives():
 
 
 def test_exact_rows_ctas_are_timed_apart_from_the_splits():
-    """The grid's last CTAs attend the exact rows and stamp only their start, part and end: the splits' medians
+    """The grid's last CTAs attend the exact rows and stamp their own phases (in the split slots): the splits' medians
     leave them out (more exact CTAs than splits here, so with them every median would move), and their own
     median time to their part and the last one's part are reported."""
     s = _stamps(7, ghz=1.75)
@@ -60,6 +60,9 @@ def test_exact_rows_ctas_are_timed_apart_from_the_splits():
         t = 3.0 + 0.5 * k
         exact[k, phases.G_START] = 1000 + 5 * k
         exact[k, phases.START] = clock
+        # Its own phases in the split slots: set-up 0.5, first scores 1.0, the other rows t - 2.0, output 0.5 µs.
+        for slot, at in ((phases.STAGED, 0.5), (phases.TABLES, 1.5), (phases.READY, t - 0.5)):
+            exact[k, slot] = clock + round(at * 1e3 * 1.75)
         exact[k, phases.PART_DONE] = clock + round(t * 1e3 * 1.75)
         exact[k, phases.G_PART] = 1000 + 5 * k + round(t * 1e3)
         exact[k, phases.END] = exact[k, phases.PART_DONE] + round(0.1 * 1e3 * 1.75)
@@ -72,4 +75,7 @@ def test_exact_rows_ctas_are_timed_apart_from_the_splits():
         assert r[key] == pytest.approx(alone[key], abs=2e-3), key   # the clock rate: over all CTAs, rounded stamps
     assert r["exact_ctas"] == n and r["exact_us"] == pytest.approx(3.0 + 0.5 * 3.5, abs=2e-3)
     assert r["exact_last_us"] == pytest.approx(0.035 + 6.5)
+    for key, want in (("exact_setup_us", 0.5), ("exact_scores_us", 1.0), ("exact_rows_us", 1.0 + 0.5 * 3.5),
+                      ("exact_out_us", 0.5)):
+        assert r[key] == pytest.approx(want, abs=2e-3), key
     assert alone["exact_ctas"] == 0 and alone["exact_us"] == 0.0 and alone["exact_last_us"] == 0.0

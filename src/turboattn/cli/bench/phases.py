@@ -104,6 +104,10 @@ def summarize(stamps: torch.Tensor, exact_ctas: int = 0) -> dict:
         "end_us": float((s[:, G_END].max() - t0) / 1e3),
         "exact_ctas": exact_ctas,
         "exact_us": med(START, PART_DONE, ~splits),
+        # The exact CTAs' own phases (csrc/decode.cuh reuses the split slots): set-up, the first chunk's scores,
+        # the rest of the rows (softmax, P V, later chunks), the output's rotation and store.
+        "exact_setup_us": med(START, STAGED, ~splits), "exact_scores_us": med(STAGED, TABLES, ~splits),
+        "exact_rows_us": med(TABLES, READY, ~splits), "exact_out_us": med(READY, PART_DONE, ~splits),
         "exact_last_us": float((s[~splits, G_PART].max() - t0) / 1e3) if exact_ctas else 0.0,
     }
 
@@ -135,9 +139,10 @@ def run(args) -> int:
              r["parts_median_us"], r["parts_last_us"], r["group_merge_us"], r["arrive_us"], r["merge_us"],
              r["merge_weights_us"], r["merge_sum_us"], r["merge_out_us"], r["end_us"]] for r in results]
     if any(r["exact_ctas"] for r in results):   # the exact rows' CTAs: median time to their part, and the last one
-        cols += ["exact", "exact last"]
+        cols += ["exact", "exact: set-up", "scores", "rows", "out", "exact last"]
         for row, r in zip(rows, results):
-            row += [r["exact_us"], r["exact_last_us"]] if r["exact_ctas"] else ["", ""]
+            row += ([r[k] for k in ("exact_us", "exact_setup_us", "exact_scores_us", "exact_rows_us", "exact_out_us",
+                                    "exact_last_us")] if r["exact_ctas"] else [""] * 6)
     env = environment()
     print_table(f"CUDA decode phases (µs; medians over CTAs unless 'last' / 'max'), {env['gpu']}", cols, rows)
     write_results(args.out, "phases", {"env": env, "shapes": results})

@@ -47,8 +47,8 @@ static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query r
 // in o_part (the probe allocates the room): slots 10 / 11 / 12 the global timer at the start / part written / end,
 // 13 the SM, the others the SM clock at: 1 start, 2 loads issued, 9 tables built, 3 q fragments
 // ready, 4 main loop done (warp 0), 0 every warp done, 5 part written, 8 group merge started, 6 final merge started,
-// 14 merge weights ready, 15 parts summed, 7 end.  The exact rows' CTAs (the grid's last) stamp 1, 5, 7 and the
-// global timer only.
+// 14 merge weights ready, 15 parts summed, 7 end.  The exact rows' CTAs (the grid's last) stamp 1 start, 2 set-up
+// done, 9 the first chunk's scores, 3 every chunk attended, 5 part written, 7 end, and the global timer.
 constexpr int STAMP_SLOTS = 16;
 #ifdef TURBOATTN_STAMPS
 template <int D>
@@ -1109,6 +1109,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
 #pragma unroll
     for (int i = 0; i < 2 * PPT; ++i) acc[r][i] = 0.f;
   __syncthreads();
+  TURBOATTN_STAMP(2);   // the exact CTA's set-up done (queries, signs, shift)
 
   // T threads per exact row (a power of two, uniform): as many as keep every thread busy over the rows, at most a
   // warp and at most one per 8-dim step.  Thread tid takes row c0 + tid / T of a chunk of CR = THREADS / T rows, and
@@ -1196,6 +1197,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
       }
     }
     __syncthreads();
+    if (c0 == 0) { TURBOATTN_STAMP(9); }   // the first chunk's scores
     // Online softmax, a warp per query row.  A hidden row's weight is -0 (its sign marks it: P V skips it).
 #pragma unroll
     for (int k = 0; k < RPW; ++k) {
@@ -1262,6 +1264,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
     }
     __syncthreads();  // the next chunk rewrites v_row and s_s
   }
+  TURBOATTN_STAMP(3);   // every chunk attended
 
   // The groups' outputs, then their sum in a fixed order (deterministic), normalized, rotated and stored.
   if (group < GROUPS) {
