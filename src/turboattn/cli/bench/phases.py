@@ -11,8 +11,8 @@ end (µs after the first CTA started), and how many CTAs each SM ran.
   turboattn bench phases --shapes 1,32,8,128,32768 1,16,2,512,32768 --bits k4v4
 
 With exact rows (--exact-first / --exact-recent) the grid's last CTAs attend them (one per sequence x KV head): the
-phase medians are then the splits' alone, and two more columns give the exact CTAs' median time to their part and
-when the last of them wrote it.
+phase medians are then the splits' alone, and more columns give the exact CTAs' median time to their part, its
+phases (set-up, the first chunk's scores, the other rows, the output) and when the last of them wrote its part.
 
 The stamps cost a few instructions per phase; time the shipped build with `turboattn bench decode`.
 """
@@ -71,8 +71,8 @@ def stamped_call(q: torch.Tensor, cache) -> torch.Tensor:
 
 def summarize(stamps: torch.Tensor, exact_ctas: int = 0) -> dict:
     """Phase times (µs) from one call's stamps: per-CTA clock intervals at the clock rate the global timer gives.
-    The last `exact_ctas` CTAs attend exact rows (start, part written and end only): the splits' phases are taken
-    over the others."""
+    The last `exact_ctas` CTAs attend exact rows (their own phases in some of the splits' slots): the splits'
+    phases are taken over the others."""
     s = stamps.double()
     splits = torch.arange(s.shape[0]) < s.shape[0] - exact_ctas
     wall = s[:, G_END] - s[:, G_START]                     # ns
