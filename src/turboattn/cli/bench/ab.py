@@ -27,8 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..args import non_negative_int
-from .args import add_out, positive_int, presets, shape
+from .args import add_cache_options, add_out, positive_int, presets, shape
 from .common import environment, print_table, require_cuda, write_results
 from .decode import SHAPES
 
@@ -45,12 +44,7 @@ def add_arguments(parser) -> None:
                         help="decode shapes (default: the six of `bench decode`)")
     parser.add_argument("--bits", type=presets, default=presets("k4v4"), help="comma list (default k4v4)")
     parser.add_argument("--rounds", type=positive_int, default=2, help="times each side runs, alternating")
-    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the caches' scale dtype (KVCodec(scale_dtype=))")
-    parser.add_argument("--exact-first", type=non_negative_int, default=0,
-                        help="QuantizedKVCache(exact_first=): the first tokens kept exact")
-    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
-                        help="QuantizedKVCache(exact_recent=): the newest tokens kept exact")
+    add_cache_options(parser)
     add_out(parser)
 
 

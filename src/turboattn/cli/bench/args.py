@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 # The suites import these from here too.
-from ..args import add_overwrite, choices, positive_int, positive_ints, preset, presets  # noqa: F401
+from ..args import add_overwrite, choices, non_negative_int, positive_int, positive_ints, preset, presets  # noqa: F401
 
 SHAPE_FIELDS = ("B", "Hq", "Hkv", "D", "L")
 
@@ -41,3 +41,13 @@ def add_out(parser: argparse.ArgumentParser) -> None:
                         help="folder for the JSON (and PNG) results (default: a new folder runs/bench-<suite>-<time>; "
                              "BENCHMARKS.md's numbers are in benchmarks/, replaced only with --overwrite)")
     add_overwrite(parser)
+
+
+def add_cache_options(parser: argparse.ArgumentParser) -> None:
+    """The timed caches' storage options: scale dtype, exact first tokens, exact recent window."""
+    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the caches' scale dtype (KVCodec(scale_dtype=))")
+    parser.add_argument("--exact-first", type=non_negative_int, default=0,
+                        help="QuantizedKVCache(exact_first=): the first tokens kept exact")
+    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
+                        help="QuantizedKVCache(exact_recent=): the newest tokens kept exact")

@@ -28,8 +28,7 @@ from ... import KVCodec, cached_attention
 from ...ops.cached import cuda as cuda_path
 from ...ops.cached.triton import part_buffers
 from ...ops.cuda_extension import stamped_extension
-from ..args import non_negative_int
-from .args import add_out, presets, shape
+from .args import add_cache_options, add_out, presets, shape
 from .common import environment, print_table, require_cuda, write_results
 from .decode import SHAPES, fill_cache
 
@@ -42,12 +41,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shapes", nargs="+", type=shape, default=SHAPES, metavar="B,Hq,Hkv,D,L",
                         help="decode shapes (default: the six of `bench decode`)")
     parser.add_argument("--bits", type=presets, default=presets("k4v4"), help="comma list (default k4v4)")
-    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the caches' scale dtype (KVCodec(scale_dtype=))")
-    parser.add_argument("--exact-first", type=non_negative_int, default=0,
-                        help="QuantizedKVCache(exact_first=): the first tokens kept exact")
-    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
-                        help="QuantizedKVCache(exact_recent=): the newest tokens kept exact")
+    add_cache_options(parser)
     add_out(parser)
 
 
