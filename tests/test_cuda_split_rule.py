@@ -1,5 +1,5 @@
-"""The CUDA decode kernel's split and merge rules (ops/cached/config.cuda_num_splits, cuda_exact_splits,
-cuda_merge_group): the properties their
+"""The CUDA decode kernel's split and merge rules (ops/cached/config.cuda_num_splits, cuda_exact_parts,
+cuda_exact_splits, cuda_merge_group): the properties their
 docstrings state,
 over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
 BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
@@ -7,10 +7,11 @@ BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_TAIL_KEYS,
-                                         CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64,
+from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_ROWS_PER_CTA,
+                                         CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64,
                                          CUDA_MIN_KEYS_PER_SPLIT, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
-                                         cuda_exact_splits, cuda_filled_splits, cuda_merge_group, cuda_num_splits)
+                                         cuda_exact_parts, cuda_exact_splits, cuda_filled_splits, cuda_merge_group,
+                                         cuda_num_splits)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -105,18 +106,43 @@ def test_merge_rule_at_the_measured_shapes():
 
 
 @settings(max_examples=500, deadline=None)
-@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS)
-def test_exact_rows_share_the_wave_or_take_a_worthwhile_tail(resident, bkv, d, tokens):
-    """With exact rows the splits either leave one slot per (sequence, KV head) for the exact CTAs (one wave with
-    them), or are the plain plan's where that shortens each split by CUDA_EXACT_TAIL_KEYS or more."""
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS, st.sampled_from([1, 2, 3, 5]))
+def test_exact_rows_share_the_wave_or_take_a_worthwhile_tail(resident, bkv, d, tokens, exact_parts):
+    """With exact rows the splits either leave exact_parts slots per (sequence, KV head) for the exact CTAs (one
+    wave with them), or are the plain plan's where that shortens each split by CUDA_EXACT_TAIL_KEYS or more; a plain
+    plan that leaves the slots already is kept."""
     plain = cuda_num_splits(resident, bkv, d, tokens)
-    splits = cuda_exact_splits(plain, resident, bkv, d, tokens)
-    fits = splits == 1 or (splits + 1) * bkv <= resident
+    splits = cuda_exact_splits(plain, resident, bkv, d, tokens, exact_parts)
+    fits = splits == 1 or (splits + exact_parts) * bkv <= resident
+    if (plain + exact_parts) * bkv <= resident:
+        assert splits == plain
     if splits != plain:
         assert fits
     elif not fits:
-        in_wave = cuda_num_splits(max(resident - bkv, bkv), bkv, d, tokens)
+        in_wave = cuda_num_splits(max(resident - exact_parts * bkv, bkv), bkv, d, tokens)
         assert tokens / in_wave - tokens / plain >= CUDA_EXACT_TAIL_KEYS
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from([64, 128, 256, 512]), st.integers(0, 5000))
+def test_exact_parts_share_the_rows(d, rows):
+    """Exact CTAs of at most CUDA_EXACT_ROWS_PER_CTA rows each, as few as that allows, and the kernel's even split
+    (shares of ceil(rows / parts), the last one shorter) leaves none of them empty."""
+    parts = cuda_exact_parts(d, rows)
+    if rows == 0:
+        assert parts == 0
+        return
+    share = -(-rows // parts)
+    assert share <= CUDA_EXACT_ROWS_PER_CTA[d]
+    assert parts == 1 or rows > (parts - 1) * CUDA_EXACT_ROWS_PER_CTA[d]
+    assert (parts - 1) * share < rows
+
+
+def test_exact_parts_of_the_presets():
+    # The default presets' first 4 + recent 64 at D <= 128 (68 rows: one CTA at D = 64, three of 23 / 23 / 22
+    # rows at D = 128) and first 4 + recent 8 above (one CTA).
+    assert [cuda_exact_parts(d, 68) for d in (64, 128)] == [1, 3]
+    assert [cuda_exact_parts(d, 12) for d in (256, 512)] == [1, 1]
 
 
 def test_exact_split_rule_at_the_measured_shapes():

@@ -94,6 +94,10 @@ OPTION_CASES = [
     # Few exact rows: several threads per row (a whole warp at D = 512 with 4 rows; 4 threads for float32 rows).
     (512, (5, 3), torch.bfloat16, dict(exact_first=4), 1),
     (128, (4, 4), torch.float32, dict(exact_first=4, exact_recent=4, exact_dtype=torch.float32), 1),
+    # Several exact CTAs per (sequence, KV head) (config.cuda_exact_parts): first tokens spread over three of them
+    # (16 rows each at D = 256), and an uneven last share (70 rows at D = 128: 24, 24 and 22).
+    (256, (4, 4), torch.bfloat16, dict(exact_first=40, exact_recent=8), 1),
+    (128, (4, 3), torch.bfloat16, dict(exact_first=6, exact_recent=64), 1),
 ]
 
 

@@ -54,6 +54,9 @@ CUDA_MAX_SPLITS = 128
 CUDA_MAX_SPLITS_D64 = 64   # D = 64: 128 measured 3% slower (one sequence x 1 KV head at 32K, H100)
 CUDA_SHORT_SPLIT = 1024
 CUDA_EXACT_TAIL_KEYS = 512
+# Exact rows per exact CTA, by head dim (cuda_exact_parts): at D = 128 a CTA of 32 rows or fewer gives each row 4
+# threads and each thread one round of loads; at D = 64 one CTA for the presets' 68 rows finishes within the splits.
+CUDA_EXACT_ROWS_PER_CTA = {64: 128, 128: 32, 256: 16, 512: 16}
 CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 16-key tile)
 # The merge on the kernel's tail: one CTA per (sequence, KV head) reads every part (rows x D floats each).  Past
 # CUDA_ONE_LEVEL_MERGE floats it merges in two levels: the last CTA of each group of parts merges the group, the
@@ -97,14 +100,28 @@ def cuda_filled_splits(splits: int, tokens: int) -> int:
     return max(1, -(-tokens // chunk))
 
 
-def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
-    """Splits for a cache with exact rows, given the plain plan's: the kernel launches one exact CTA per (sequence,
-    KV head) after the splits' CTAs.  The plan for the residency less one slot per (sequence, KV head) keeps them in
-    the splits' wave; the plain plan takes those slots for splits and makes them a tail (a few µs: the exact CTA
-    reads its rows and rotates its output).  The tail is taken where it shortens each split by CUDA_EXACT_TAIL_KEYS
+def cuda_exact_parts(head_dim: int, exact_rows: int) -> int:
+    """CTAs per (sequence, KV head) that attend a cache's exact rows (first tokens and recent window together), each
+    a part of the merge, with at most CUDA_EXACT_ROWS_PER_CTA rows each (the kernel splits the rows evenly).
+    Beside the splits' streams every dependent step of an exact CTA is slow: one CTA for 68 rows at D = 128 took
+    30 µs and ended a B=1 call (ncu: about 5,800 instructions per warp, a warp issuing one cycle in ten)."""
+    if exact_rows <= 0:
+        return 0
+    return -(-exact_rows // CUDA_EXACT_ROWS_PER_CTA[head_dim])
+
+
+def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,
+                      exact_parts: int = 1) -> int:
+    """Splits for a cache with exact rows, given the plain plan's: the kernel launches exact_parts exact CTAs per
+    (sequence, KV head) after the splits' CTAs.  The plan for the residency less those slots keeps them in the
+    splits' wave; the plain plan takes those slots for splits and makes them a tail (a few µs: the exact CTAs read
+    their rows and rotate their output).  The tail is taken where it shortens each split by CUDA_EXACT_TAIL_KEYS
     or more (H100, BENCHMARKS.md: B=8 D=128 L=32K 6 splits against 5 gained 13%, D=256 L=8K 4 against 3 9%;
     B=8 D=64 L=16K 16 against 15 lost 22%, B=1 D=128 33 against 32 lost 5%)."""
-    in_wave = cuda_num_splits(max(resident - batch_kv_heads, batch_kv_heads), batch_kv_heads, head_dim, max_tokens)
+    taken = exact_parts * batch_kv_heads
+    if (splits + exact_parts) * batch_kv_heads <= resident:
+        return splits   # one wave with them already
+    in_wave = cuda_num_splits(max(resident - taken, batch_kv_heads), batch_kv_heads, head_dim, max_tokens)
     return splits if max_tokens / in_wave - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else in_wave
 
 
@@ -192,12 +209,12 @@ def _tile(head_dim: int) -> tuple[int, int, int]:
 @lru_cache(maxsize=4096)  # a decode loop asks the same question every step: host time matters
 def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, batch_kv_heads: int,
                 query_rows: int, max_tokens: int, num_splits: int | None = None,
-                programs_per_sm: int | None = None, kernel: str = "triton", exact_rows: bool = False) -> DecodePlan:
+                programs_per_sm: int | None = None, kernel: str = "triton", exact_rows: int = 0) -> DecodePlan:
     """The plan for query_rows = Tq x GQA group rows per KV head over up to max_tokens cached keys.
 
     kernel: the implementation that will run it ("cuda" plans the CUDA kernel's splits where it serves).
-    exact_rows: the cache has exact rows; the CUDA kernel then adds one CTA per (sequence, KV head), launched
-    after the splits (cuda_exact_splits).
+    exact_rows: the cache's exact rows per (sequence, KV head) (first tokens and recent window); the CUDA kernel
+    then adds cuda_exact_parts CTAs per (sequence, KV head), launched after the splits (cuda_exact_splits).
     """
     block_m = 16 if query_rows <= 16 else 64
     block_n, num_warps, num_stages = _tile(head_dim)
@@ -205,7 +222,8 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
         num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
         if exact_rows:
-            num_splits = cuda_exact_splits(num_splits, resident, batch_kv_heads, head_dim, max_tokens)
+            num_splits = cuda_exact_splits(num_splits, resident, batch_kv_heads, head_dim, max_tokens,
+                                           cuda_exact_parts(head_dim, exact_rows))
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)
         num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,

@@ -20,7 +20,7 @@ from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
-                     cuda_kernel_serves, cuda_merge_group, plan_decode)
+                     cuda_exact_parts, cuda_kernel_serves, cuda_merge_group, plan_decode)
 from .triton import cached_attention_triton, query_scale
 
 
@@ -50,8 +50,8 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
     if ext is not None and plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, fixed.capacity, None, None, "cuda",
-                           fixed.exact)
-    num_parts = plan.num_splits + fixed.exact if ext is not None else 0   # the exact part is one more
+                           fixed.exact_row_count)
+    num_parts = plan.num_splits + fixed.exact_parts if ext is not None else 0   # the exact CTAs' parts after the splits
     if ext is None or num_parts > CUDA_MAX_PARTS:
         with device_guard(q.device):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
             return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
@@ -95,12 +95,12 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
     ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
     if ext is None or fixed.exact_rows is None or fixed.counters is None:
         return None   # the Triton path, or the rows or counters of each call: cached_attention_cuda's work
-    head, exact, key_shift, exact_rows = fixed.head, fixed.exact, fixed.fresh_key_shift, fixed.exact_rows
+    head, exact_parts, key_shift, exact_rows = fixed.head, fixed.exact_parts, fixed.fresh_key_shift, fixed.exact_rows
     q_scale, kernel_softcap = float(query_scale(d, scale, softcap)), float(softcap or 0.0)
     window, ring, counters = fixed.window, fixed.ring, fixed.counters
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-        num_parts = plan.num_splits + exact   # the exact part is one more
+        num_parts = plan.num_splits + exact_parts   # the exact CTAs' parts after the splits
         # The kernel reads contiguous q, k, v as they are (a decode step's); anything else, and more parts than it
         # merges, go the general way.
         if num_parts > CUDA_MAX_PARTS or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
@@ -122,8 +122,8 @@ class _LayoutArgs:
     """The decode launch's arguments that come from a layout and its codec alone, derived once per layout (a decode
     step's layout is the same object every step until the cache's tensors change: CacheLayout.derived)."""
 
-    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact", "head", "window", "ring", "counters",
-                 "key_shift", "fresh_key_shift", "exact_rows")
+    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact", "exact_row_count", "exact_parts", "head",
+                 "window", "ring", "counters", "key_shift", "fresh_key_shift", "exact_rows")
 
     def __init__(self, layout: CacheLayout, codec: KVCodec):
         k_codes = layout.k_codes
@@ -132,6 +132,8 @@ class _LayoutArgs:
         self.num_kv_heads, self.capacity = k_codes.shape[1], k_codes.shape[2]
         self.serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)   # rows: the call's
         self.exact = layout.exact_recent > 0 or layout.exact_first > 0
+        self.exact_row_count = layout.exact_recent + layout.exact_first
+        self.exact_parts = cuda_exact_parts(d, self.exact_row_count)
         transform = layout.key_gain is not None
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                      layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits,

@@ -115,8 +115,9 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   const int batch_kv_heads = k_codes.size(0) * k_codes.size(1);
   const int head_dim = q.size(3);
   const bool exact = p.exact_recent > 0 || p.exact_first > 0;
-  TORCH_CHECK(num_parts == num_splits + (exact ? 1 : 0), "turboattn decode: num_parts must be num_splits",
-              exact ? " + 1 (the exact part)" : "");
+  // With exact rows, parts past the splits are the exact CTAs' (one or more: ops/cached/config.cuda_exact_parts).
+  TORCH_CHECK(exact ? num_parts > num_splits : num_parts == num_splits, "turboattn decode: num_parts must be ",
+              exact ? "more than num_splits (the exact parts follow the splits)" : "num_splits");
   TORCH_CHECK(num_parts >= 1 && num_parts <= turboattn::MAX_PARTS, "turboattn decode: 1 to ", turboattn::MAX_PARTS,
               " parts (the merge's scratch), got ", num_parts);
   TORCH_CHECK(merge_group >= 1 && (num_parts + merge_group - 1) / merge_group < turboattn::COUNTERS_PER_HEAD,

@@ -598,15 +598,24 @@ __device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
 }
 
 // This CTA's part and (sequence x KV head) in the one-dimensional grid: the splits' CTAs first (split fastest), then
-// one exact part per (sequence, KV head) in the kernels built for exact rows.  Launched last, the short exact CTAs
-// take what the splits' wave leaves free, or run as a short tail, instead of taking slots from the splits.
+// num_parts - num_splits exact parts per (sequence, KV head) in the kernels built for exact rows (every exact CTA
+// gets part num_splits here; exact_cta_index tells them apart).  Launched last, the short exact CTAs take what the
+// splits' wave leaves free, or run as a short tail, instead of taking slots from the splits.
 struct CtaIndex {
   int part, bh;
 };
 __device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
   const int block = blockIdx.x, split_blocks = p.num_splits * (gridDim.x / p.num_parts);
   if (block < split_blocks) return {block % p.num_splits, block / p.num_splits};
-  return {p.num_splits, block - split_blocks};
+  return {p.num_splits, block - split_blocks};   // an exact CTA: exact_cta_index has its part and head
+}
+
+// An exact CTA's part (num_splits and after) and (sequence, KV head): a head's exact CTAs are adjacent.  Apart
+// from cta_index, so that the splits' code stays as it was (computed there, it reordered the whole kernel and
+// cost the Gemma-3 preset 14%).
+__device__ __forceinline__ CtaIndex exact_cta_index(const DecodeParams& p) {
+  const int exact_parts = p.num_parts - p.num_splits, x = cta_index(p).bh;
+  return {p.num_splits + x % exact_parts, x / exact_parts};
 }
 
 // The fresh tokens' scores for query token t (row q_row of q): lane 0 writes token j's log2-domain score to s[j],
@@ -1008,9 +1017,9 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaI
   merge_parts<D>(p, cta.bh, scratch, scratch_words, small, q_rot, warp_ml, fresh_p, signs, parts, stride);
 }
 
-// The exact part (the CTA of part num_splits, in the kernels built for caches with exact rows): the
-// exact first tokens and the exact recent window, attended in full precision in the model's domain (scores
-// q . (k - key_shift), as the fresh tokens'), up to EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
+// An exact part (the CTAs of parts num_splits .. num_parts - 1, in the kernels built for caches with exact rows):
+// its share of the exact first tokens and the exact recent window, attended in full precision in the model's domain
+// (scores q . (k - key_shift), as the fresh tokens'), up to EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
 // beside the splits and must not outlast them, and each of its round trips to memory is long while they stream):
 // T threads per exact row compute that row's scores against every query row (q from shared memory; their partial
 // sums meet in log2 T shuffles), a warp per query row runs the online softmax, then each thread accumulates two
@@ -1069,17 +1078,22 @@ __device__ __forceinline__ float2 load2(const char* row, int dtype, int d) {
 }
 
 template <int D>
-__device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scratch, float* q_s, float* signs) {
+__device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex cta, uint32_t* scratch, float* q_s,
+                                           float* signs) {
   constexpr int THREADS = WARPS * 32, RPW = MAX_ROWS / WARPS, CH = EXACT_CHUNK;
   // P V: each thread takes PPT pairs of dims (pair + k THREADS) over one group of the rows.
   constexpr int PAIRS = D / 2, GROUPS = THREADS / PAIRS > 0 ? THREADS / PAIRS : 1;
   constexpr int PPT = PAIRS > THREADS ? PAIRS / THREADS : 1;
   static_assert(PAIRS % THREADS == 0 || THREADS % PAIRS == 0, "pairs of dims spread evenly over the threads");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bh = cta_index(p).bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int bh = cta.bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
   const int seen = p.seen[b], start = p.starts[b];
   const int qpos_base = p.has_fresh ? seen : seen - p.tq;
-  const int S = p.exact_first, R = p.exact_recent, total = S + R;
+  const int S = p.exact_first, R = p.exact_recent;
+  // This CTA's share of the exact rows (first rows, then the window's): rows j0 + [0, total) of an even split over
+  // the (sequence, KV head)'s exact CTAs (ops/cached/config.cuda_exact_parts).
+  const int exact_parts = p.num_parts - p.num_splits, share = (S + R + exact_parts - 1) / exact_parts;
+  const int j0 = (cta.part - p.num_splits) * share, total = max(0, min(S + R - j0, share));
   const int elem = p.exact_dtype == 2 ? 4 : 2;
   const char** v_row = reinterpret_cast<const char**>(scratch);    // [CH]: the chunk's V rows (null: none)
   float* s_s = reinterpret_cast<float*>(v_row + CH);               // [MAX_ROWS][CH]: scores, then weights
@@ -1121,17 +1135,19 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
   while (2 * T <= 32 && 2 * T * EXACT_STEPS * 8 <= D && 2 * T * total <= THREADS) T *= 2;
   const int CR = THREADS / T;
   for (int c0 = 0; c0 < total; c0 += CR) {
-    // Scores of exact row j = c0 + jl (first rows, then the window's).
+    // Scores of exact row j = j0 + c0 + jl (first rows, then the window's).
     {
-      const int sub = tid & (T - 1), jl = tid / T, j = c0 + jl;
+      const int sub = tid & (T - 1), jl = tid / T, j = j0 + c0 + jl;
       const char *kr = nullptr, *vr = nullptr;
       int pos = 0;
-      if (j < S) {
+      if (c0 + jl >= total) {
+        // past this CTA's rows: nothing to read
+      } else if (j < S) {
         pos = start + j;
         const long long off = b * p.first_stride_b + kvh * p.first_stride_h + (long long)j * p.first_stride_t;
         if (pos < seen)
           kr = static_cast<const char*>(p.first_k) + off * elem, vr = static_cast<const char*>(p.first_v) + off * elem;
-      } else if (j < total) {
+      } else {
         const int r = j - S;
         pos = seen - R + ((r - seen) % R + R) % R;   // the p in [seen - R, seen) with p = r (mod R)
         const long long off = b * p.recent_stride_b + kvh * p.recent_stride_h + (long long)r * p.recent_stride_t;
@@ -1254,6 +1270,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
           if (jj >= n) break;
 #pragma unroll
           for (int r = 0; r < MAX_ROWS; ++r) {
+            if (r >= rows) break;  // the same for every thread
             const float pr = s_s[r * CH + jj];
             if (signbit(pr) && !isnan(pr)) continue;  // hidden from this query row (never 0 x inf)
 #pragma unroll
@@ -1292,7 +1309,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, uint32_t* scra
       y[i] = sum * inv * signs[lane * N + i];
     }
     hadamard_warp<D>(y, lane);
-    const size_t part = ((size_t)bh * p.num_parts + p.num_splits) * rows + r;
+    const size_t part = ((size_t)bh * p.num_parts + cta.part) * rows + r;
 #pragma unroll
     for (int i = 0; i < N; ++i) p.o_part[part * D + lane * N + i] = y[i] * norm;
     if (lane == 0) p.lse_part[part] = l_r[k] != 0.f ? m_r[k] + log2f(l_r[k]) : -INFINITY;
@@ -1329,14 +1346,15 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   TURBOATTN_STAMP(1);
   TURBOATTN_STAMP(13);
 
-  // One more CTA attends the exact rows (part num_splits), then joins the merge.
+  // The CTAs of parts num_splits and after attend the exact rows, then join the merge.
   if constexpr (EXACT) {
     if (split == p.num_splits) {
-      exact_part<D>(p, code_tables, q_rot, signs);
+      const CtaIndex exact_cta = exact_cta_index(p);
+      exact_part<D>(p, exact_cta, code_tables, q_rot, signs);
       TURBOATTN_STAMP(5);
       TURBOATTN_STAMP(11);
       if (p.counters != nullptr)
-        join_and_merge<D>(p, cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
+        join_and_merge<D>(p, exact_cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
       TURBOATTN_STAMP(7);
       TURBOATTN_STAMP(12);
       return;
@@ -1718,7 +1736,7 @@ int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) 
     if (err != cudaSuccess) return static_cast<int>(err);
     allowed[device] = true;
   }
-  // One CTA per split, plus the exact part's (params.num_parts counts both), in one dimension (cta_index).
+  // One CTA per split, plus the exact parts' (params.num_parts counts both), in one dimension (cta_index).
   decode<D, KB, VB, EXACT><<<params.num_parts * batch_kv_heads, WARPS * 32, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
