@@ -2,9 +2,9 @@
 at head_dim 64/128/256/512 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
 
 One launch covers the cache splits and their merge: with exact rows (an exact recent window, exact first
-tokens), one more CTA attends them in full precision as one more part; the last CTA of each sequence x KV
-head attends the fresh k/v tokens (when given) in full precision, merges them with the parts, adds the
-sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
+tokens), config.cuda_exact_parts more CTAs attend them in full precision, each one more part; the last CTA of
+each sequence x KV head attends the fresh k/v tokens (when given) in full precision, merges them with the parts,
+adds the sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
 query rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which
 the extension's launches do without: they guard themselves.  The extension is built with nvcc on first use
 (ops/cuda_extension.py), for the GPUs this process sees.

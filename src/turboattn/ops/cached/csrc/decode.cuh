@@ -1316,7 +1316,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
   }
 }
 
-// EXACT: built for caches with exact rows (one more CTA attends them); a separate build keeps that code out of the
+// EXACT: built for caches with exact rows (more CTAs attend them); a separate build keeps that code out of the
 // other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
 template <int D, int KB, int VB, bool EXACT>
 __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode(const DecodeParams p) {

@@ -40,7 +40,8 @@ struct DecodeParams {
   // Exact rows (exact_recent R > 0 and / or exact_first S > 0; format/layout.py): full-precision K and V in the
   // model's domain, exact_dtype (0 float16, 1 bfloat16, 2 float32).  Recent: [B, Hkv, R + 1, D], position p in
   // row p mod R for p in [seen - R, seen); first: [B, Hkv, S, D], position starts + j in row j.  The code splits
-  // skip those positions, and one more CTA per (sequence, KV head) attends the rows as part num_splits.
+  // skip those positions, and num_parts - num_splits more CTAs per (sequence, KV head) attend the rows as the
+  // parts after the splits (ops/cached/config.cuda_exact_parts).
   const void* recent_k;
   const void* recent_v;
   long long recent_stride_b, recent_stride_h, recent_stride_t;
