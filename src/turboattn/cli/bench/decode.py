@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ... import KVCodec, QuantizedKVCache, cached_attention, flash_attention
-from ..args import non_negative_int, presets
-from .args import add_out
+from ..args import presets
+from .args import add_cache_options, add_out
 from .common import (copy_bandwidth_tbs, environment, plot_lines, print_table, require_cuda, time_us,
                      time_us_graph, write_results)
 
@@ -38,12 +38,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bits", type=presets, default=presets(BITS),
                         help="bit pairs to measure at every shape; the context sweep takes "
                              "the first two")
-    parser.add_argument("--exact-first", type=non_negative_int, default=0,
-                        help="exact first tokens kept in bf16")
-    parser.add_argument("--exact-recent", type=non_negative_int, default=0,
-                        help="exact recent window kept in bf16")
-    parser.add_argument("--scale-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="how scales are stored")
+    add_cache_options(parser)
     parser.add_argument("--backend", choices=["auto", "triton"], default="auto",
                         help="the cached-attention implementation (auto: the CUDA kernel where it serves)")
 

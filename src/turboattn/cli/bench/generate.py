@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from ..args import batch_by_length, choices, non_negative_int, positive_int, preset
-from .args import add_out
+from ..args import batch_by_length, choices, positive_int, preset
+from .args import add_cache_options, add_out
 from .common import environment, print_table, require_cuda, write_results
 
 MODEL_SHAPES = {
@@ -52,12 +52,7 @@ def add_arguments(parser) -> None:
                         help="decoder layers (default: the model shape's)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per generate measurement (median)")
     parser.add_argument("--bits", type=preset, default="k4v4", help="bits of the turboattn cache")
-    parser.add_argument("--exact-first", type=non_negative_int, default=0, metavar="S",
-                        help="exact first tokens of the turboattn cache (the quality presets keep 4)")
-    parser.add_argument("--exact-recent", type=non_negative_int, default=0, metavar="R",
-                        help="exact recent window of the turboattn cache (the quality presets keep 8 or 64)")
-    parser.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the turboattn cache's scale dtype (the quality presets use bfloat16)")
+    add_cache_options(parser)   # the turboattn cache's (the quality presets: first 4, recent 8 or 64, bfloat16)
     parser.add_argument("--prefill-chunk", type=positive_int, default=65536, metavar="TOKENS",
                         help="loop paths: prompt tokens per prefill forward, all sequences together (generate paths "
                              "prefill in one forward)")
