@@ -133,7 +133,7 @@ class _LayoutArgs:
         self.serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)   # rows: the call's
         self.exact = layout.exact_recent > 0 or layout.exact_first > 0
         self.exact_row_count = layout.exact_recent + layout.exact_first
-        self.exact_parts = cuda_exact_parts(d, self.exact_row_count)
+        self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0   # (the kernel's dims)
         transform = layout.key_gain is not None
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                      layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits,
