@@ -1018,9 +1018,10 @@ __device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaI
 }
 
 // An exact part (the CTAs of parts num_splits .. num_parts - 1, in the kernels built for caches with exact rows):
-// its share of the exact first tokens and the exact recent window, attended in full precision in the model's domain
-// (scores q . (k - key_shift), as the fresh tokens'), up to EXACT_CHUNK rows at a time.  Written for latency (this CTA runs
-// beside the splits and must not outlast them, and each of its round trips to memory is long while they stream):
+// its share of the exact first tokens and the exact recent window (cta: exact_cta_index), attended in full
+// precision in the model's domain (scores q . (k - key_shift), as the fresh tokens'), up to EXACT_CHUNK rows at a
+// time.  Written for latency (this CTA runs beside the splits and must not outlast them, and each of its round
+// trips to memory is long while they stream):
 // T threads per exact row compute that row's scores against every query row (q from shared memory; their partial
 // sums meet in log2 T shuffles), a warp per query row runs the online softmax, then each thread accumulates two
 // output dims over a group of the rows, a batch of rows' loads in flight at a time.  The groups' outputs
