@@ -82,12 +82,11 @@ class _DecodeStep:
         self.generation = registry.generation
         self.launch = decode_launcher(q, layout, codec, scale, softcap, impl)
         self.capacity = cache.capacity
-        exact = layout.exact_recent + layout.exact_first   # plan_decode's exact_rows
         # cached_attention's plans: a static cache's for its capacity, once; a growing cache's for the keys it holds,
         # plan_decode(*plan_head, keys, *plan_tail), looked up in `plans` (shared by the layers that plan alike).
         self.plan = capacity_plan(q, layout, codec.k_bits, codec.v_bits, None, impl) if cache.is_static else None
         self.plan_head = (q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv))
-        self.plan_tail = (None, None, impl, exact)
+        self.plan_tail = (None, None, impl, layout.exact_row_count)
         self.plans = _plans(self.plan_head, self.plan_tail)
 
     def plan_for(self, keys: int) -> DecodePlan:
@@ -223,7 +222,7 @@ def _checked_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor
     elif not cache.is_static:
         # Positional: plan_decode's lru_cache builds a longer key for keywords.
         plan = plan_decode(device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), min(cache.max_seen, cache.capacity),
-                           num_splits, None, impl, layout.exact_recent + layout.exact_first)
+                           num_splits, None, impl, layout.exact_row_count)
     # A static cache leaves plan None: the op plans for the capacity (with num_splits, if given), the same plan every
     # step, where the lengths held now would be a host read that changes every step.
     scale, softcap = None if scale is None else float(scale), None if softcap is None else float(softcap)

@@ -104,9 +104,14 @@ class CacheLayout:
         return self.sliding_window is not None
 
     @property
+    def exact_row_count(self) -> int:
+        """Full-precision rows per (sequence, KV head): the exact recent window's and the exact first tokens'."""
+        return self.exact_recent + self.exact_first
+
+    @property
     def has_exact_rows(self) -> bool:
         """Whether some positions are read from full-precision rows (an exact recent window, exact first tokens)."""
-        return self.exact_recent > 0 or self.exact_first > 0
+        return self.exact_row_count > 0
 
     @property
     def has_key_transform(self) -> bool:

@@ -181,7 +181,7 @@ def capacity_plan(q: Tensor, layout: CacheLayout, k_bits: int, v_bits: int, num_
     b, hq, tq, d = q.shape
     hkv = layout.num_kv_heads
     return plan_decode(q.device, d, k_bits, v_bits, b * hkv, tq * (hq // hkv), layout.capacity, num_splits,
-                       kernel=impl, exact_rows=layout.exact_first + layout.exact_recent)
+                       kernel=impl, exact_rows=layout.exact_row_count)
 
 
 def _attend(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tensor | None, v: Tensor | None,

@@ -122,8 +122,8 @@ class _LayoutArgs:
     """The decode launch's arguments that come from a layout and its codec alone, derived once per layout (a decode
     step's layout is the same object every step until the cache's tensors change: CacheLayout.derived)."""
 
-    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact", "exact_row_count", "exact_parts", "head",
-                 "window", "ring", "counters", "key_shift", "fresh_key_shift", "exact_rows")
+    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact_row_count", "exact_parts", "head", "window",
+                 "ring", "counters", "key_shift", "fresh_key_shift", "exact_rows")
 
     def __init__(self, layout: CacheLayout, codec: KVCodec):
         k_codes = layout.k_codes
@@ -131,8 +131,7 @@ class _LayoutArgs:
         self.codec = codec
         self.num_kv_heads, self.capacity = k_codes.shape[1], k_codes.shape[2]
         self.serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)   # rows: the call's
-        self.exact = layout.exact_recent > 0 or layout.exact_first > 0
-        self.exact_row_count = layout.exact_recent + layout.exact_first
+        self.exact_row_count = layout.exact_row_count
         self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0   # (the kernel's dims)
         transform = layout.key_gain is not None
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
@@ -140,7 +139,8 @@ class _LayoutArgs:
                      codec.v_bits) if self.serves else None
         # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
         shift = layout.key_shift if transform and layout.key_shifted else None
-        self.fresh_key_shift, self.key_shift = shift, shift if self.exact else None   # with fresh k, v; without
+        self.fresh_key_shift = shift                               # calls with fresh k, v
+        self.key_shift = shift if self.exact_row_count else None   # calls without
         window = layout.sliding_window
         self.window, self.ring = window or 0, window is not None
         self.counters = layout.merge_counters   # None: the shared arrival counters of the call's stream
