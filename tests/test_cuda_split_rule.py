@@ -1,5 +1,5 @@
 """The CUDA decode kernel's split and merge rules (ops/cached/config.cuda_num_splits, cuda_exact_parts,
-cuda_exact_splits, cuda_merge_group): the properties their
+cuda_exact_ctas, cuda_exact_splits, cuda_merge_group): the properties their
 docstrings state,
 over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
 BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_ROWS_PER_CTA,
-                                         CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64,
-                                         CUDA_MIN_KEYS_PER_SPLIT, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
-                                         cuda_exact_parts, cuda_exact_splits, cuda_filled_splits, cuda_merge_group,
-                                         cuda_num_splits)
+                                         CUDA_EXACT_SPREAD_WAVES, CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS,
+                                         CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64, CUDA_MAX_WAVES, CUDA_MIN_KEYS_PER_SPLIT,
+                                         CUDA_MIN_WAVE_FILL, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
+                                         cuda_exact_ctas, cuda_exact_parts, cuda_exact_splits, cuda_filled_splits,
+                                         cuda_merge_group, cuda_num_splits, wave_fill)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -22,11 +23,24 @@ TOKENS = st.integers(1, 1 << 20)
 @given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256, 512]), TOKENS)
 def test_split_rule_bounds(resident, bkv, d, tokens):
     splits = cuda_num_splits(resident, bkv, d, tokens)
-    assert 1 <= splits <= (CUDA_MAX_SPLITS_D64 if d == 64 else CUDA_MAX_SPLITS)
-    # At most one wave of resident CTAs (a single split when even one per (sequence, KV head) is more).
-    assert splits == 1 or splits * bkv <= resident
+    most = CUDA_MAX_SPLITS_D64 if d == 64 else CUDA_MAX_SPLITS
+    assert 1 <= splits <= most
+    # At most CUDA_MAX_WAVES waves of resident CTAs (a single split when even one per (sequence, KV head) is more),
+    # and more than one only where one wave would fill less than CUDA_MIN_WAVE_FILL of the slots.
+    assert splits == 1 or splits * bkv <= CUDA_MAX_WAVES * resident
+    if splits > 1 and splits * bkv > resident:
+        one_wave = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, most))
+        assert wave_fill(one_wave * bkv, resident) < CUDA_MIN_WAVE_FILL
     # Splits of at least CUDA_MIN_KEYS_PER_SPLIT keys.
     assert splits == 1 or tokens >= splits * CUDA_MIN_KEYS_PER_SPLIT
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, 4096), st.integers(1, 1600))
+def test_wave_fill_is_a_share_of_the_slots(ctas, resident):
+    fill = wave_fill(ctas, resident)
+    assert 0 < fill <= 1
+    assert (fill == 1) == (ctas % resident == 0)
 
 
 def _chunk(tokens: int, splits: int) -> int:
@@ -62,8 +76,11 @@ def test_short_splits_use_half_a_wave_at_wide_heads(resident, bkv, d, tokens):
 @settings(max_examples=300, deadline=None)
 @given(RESIDENT, BATCH_KV_HEADS, TOKENS)
 def test_head_dim_64_keeps_the_full_wave(resident, bkv, tokens):
+    """No half wave at D = 64: at least the full wave's splits (more only where that wave is underfilled)."""
     full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS_D64))
-    assert cuda_num_splits(resident, bkv, 64, tokens) == cuda_filled_splits(full, tokens)
+    splits = cuda_num_splits(resident, bkv, 64, tokens)
+    assert splits >= cuda_filled_splits(full, tokens)
+    assert splits == cuda_filled_splits(full, tokens) or wave_fill(full * bkv, resident) < CUDA_MIN_WAVE_FILL
 
 
 def test_split_rule_at_the_measured_shapes():
@@ -78,6 +95,11 @@ def test_split_rule_at_the_measured_shapes():
     assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
     assert cuda_num_splits(264, 64, 256, 8192) == 4
     assert cuda_num_splits(528, 2, 512, 32768) == 128     # D=512, one sequence x 2 KV heads: the cap
+    # An underfilled wave: 32 x 8 KV heads on 3 CTAs x 132 SMs (k4v3) take three splits in two waves (one split:
+    # 65% of one wave); on 4 CTAs (k4v4) two splits fill one wave.
+    assert cuda_num_splits(396, 256, 128, 8192) == 3
+    assert cuda_num_splits(528, 256, 128, 8192) == 2
+    assert cuda_num_splits(396, 64, 128, 32768) == 6      # B=8 on 3 CTAs: one full wave
 
 
 @settings(max_examples=500, deadline=None)
@@ -119,7 +141,7 @@ def test_exact_rows_share_the_wave_or_take_a_worthwhile_tail(resident, bkv, d, t
     if splits != plain:
         assert fits
     elif not fits:
-        in_wave = cuda_num_splits(max(resident - exact_parts * bkv, bkv), bkv, d, tokens)
+        in_wave = cuda_num_splits(max(resident - exact_parts * bkv, bkv), bkv, d, tokens, 1)
         assert tokens / in_wave - tokens / plain >= CUDA_EXACT_TAIL_KEYS
 
 
@@ -136,6 +158,25 @@ def test_exact_parts_share_the_rows(d, rows):
     assert share <= CUDA_EXACT_ROWS_PER_CTA[d]
     assert parts == 1 or rows > (parts - 1) * CUDA_EXACT_ROWS_PER_CTA[d]
     assert (parts - 1) * share < rows
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 128), RESIDENT, BATCH_KV_HEADS)
+def test_exact_rows_spread_only_within_the_waves_bound(exact_parts, splits, resident, bkv):
+    """All of the rows' exact CTAs while the grid stays within CUDA_EXACT_SPREAD_WAVES waves, else one."""
+    ctas = cuda_exact_ctas(exact_parts, splits, resident, bkv)
+    if (splits + exact_parts) * bkv <= CUDA_EXACT_SPREAD_WAVES * resident:
+        assert ctas == exact_parts
+    else:
+        assert ctas == 1
+
+
+def test_exact_ctas_at_the_measured_shapes():
+    # H100, k4v3 + first 4 + recent 64 at D = 128 (3 CTAs x 132 SMs; BENCHMARKS.md).
+    assert cuda_exact_ctas(3, 32, 396, 8) == 3     # B=1: three exact CTAs (30 -> 12.6 µs each)
+    assert cuda_exact_ctas(3, 6, 396, 64) == 3     # B=8 L=32K: 136.6 µs against 139.2 with one
+    assert cuda_exact_ctas(3, 3, 396, 128) == 1    # B=16 L=16K: 140.2 against 145.3 with three
+    assert cuda_exact_ctas(3, 3, 396, 256) == 1    # B=32 L=8K: 155.1 against 168.5
 
 
 def test_exact_parts_of_the_presets():

@@ -195,10 +195,15 @@ def test_a_new_implementation_is_one_registration(monkeypatch):
 def test_decode_plan_round_trips_and_validates():
     plan = DecodePlan(16, 64, 4, 3, 5, "lut")
     assert DecodePlan.from_list(plan.to_list()) == plan
+    with_exact = DecodePlan(16, 64, 4, 3, 5, "lut", exact_parts=2)
+    assert DecodePlan.from_list(with_exact.to_list()) == with_exact
+    assert DecodePlan.from_list(plan.to_list()[:6]) == plan   # a list from before exact_parts
     with pytest.raises(ValueError, match="lookup must be one of"):
         DecodePlan(16, 64, 4, 3, 5, "table")
     with pytest.raises(ValueError, match="num_splits must be a positive int"):
         DecodePlan(16, 64, 4, 3, 0, "lut")
+    with pytest.raises(ValueError, match="exact_parts must be None or a positive int"):
+        DecodePlan(16, 64, 4, 3, 5, "lut", exact_parts=0)
 
 
 def test_plan_and_num_splits_reach_the_kernel(gen):

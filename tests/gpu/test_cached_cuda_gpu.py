@@ -15,7 +15,8 @@ from turboattn.ops import backend
 from turboattn.ops.cached import cuda
 from turboattn.ops.cuda_extension import extension
 from turboattn.format.codec import SUPPORTED_BITS
-from turboattn.ops.cached.config import CUDA_BIT_PAIRS, CUDA_COUNTERS_PER_HEAD, CUDA_HEAD_DIMS, cuda_ctas_per_sm
+from turboattn.ops.cached.config import (CUDA_BIT_PAIRS, CUDA_COUNTERS_PER_HEAD, CUDA_HEAD_DIMS, DecodePlan,
+                                         cuda_ctas_per_sm, plan_decode)
 from turboattn.ops.cached.naive import cached_attention_naive
 
 from gpu_decode_inputs import decode_inputs, poison_allocator, rel_error
@@ -183,6 +184,27 @@ def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, op
     assert err < TOL, f"relative error {err:.3g}"
     portable = ta.cached_attention(q, cache, kf, vf, softcap=softcap, sinks=sinks, num_splits=splits, backend="triton")
     assert rel_error(portable, ref) < TOL
+
+
+# The plan's exact CTAs per (sequence, KV head): one for all 68 rows (what config.cuda_exact_ctas picks in grids
+# of several waves), two (uneven shares), the rows' own three, and more than the rows allow (capped to three).
+@pytest.mark.parametrize("exact_parts", [1, 2, None, 7], ids=lambda e: f"E{e}")
+def test_cuda_decode_exact_ctas_of_the_plan(exact_parts):
+    torch.manual_seed(11)
+    b, hkv, g, d, length = 2, 2, 4, 128, 900
+    codec = ta.KVCodec(d, 4, 3, scale_dtype=torch.bfloat16)
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=length + 1, device="cuda", exact_first=4, exact_recent=64)
+    k = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16) + 0.5
+    cache.append(k, torch.randn_like(k))
+    q, kf, vf, sinks = decode_inputs(b, hkv, g, 1, d, True, True)
+    poison_allocator()
+    plan = plan_decode(q.device, d, 4, 3, b * hkv, g, cache.layout.capacity, 5, kernel="cuda")
+    plan = DecodePlan(plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, 5, plan.lookup, exact_parts)
+    assert cuda.supports(q, codec, hkv)
+    out = ta.cached_attention(q, cache, kf, vf, sinks=sinks, plan=plan)
+    ref = cached_attention_naive(q, cache.layout, codec, kf, vf, sinks=sinks, compute_dtype=torch.float64)
+    err = rel_error(out, ref)
+    assert err < TOL, f"relative error {err:.3g}"
 
 
 # q, the fresh tokens and the output in each attention dtype, q and the fresh tokens as the strided views a model

@@ -10,7 +10,7 @@ end (µs after the first CTA started), and how many CTAs each SM ran.
 
   turboattn bench phases --shapes 1,32,8,128,32768 1,16,2,512,32768 --bits k4v4
 
-With exact rows (--exact-first / --exact-recent) the grid's last CTAs attend them (config.cuda_exact_parts per
+With exact rows (--exact-first / --exact-recent) the grid's last CTAs attend them (the plan's exact_parts per
 sequence x KV head): the phase medians are then the splits' alone, and more columns give the exact CTAs' median
 time to their part, its phases (set-up, the first chunk's scores, the other rows, the output) and when the last of
 them wrote its part.
@@ -27,7 +27,7 @@ import torch
 
 from ... import KVCodec, cached_attention
 from ...ops.cached import cuda as cuda_path
-from ...ops.cached.config import cuda_exact_parts
+from ...ops.cached.config import plan_decode
 from ...ops.cached.triton import part_buffers
 from ...ops.cuda_extension import stamped_extension
 from .args import add_cache_options, add_out, presets, shape
@@ -116,7 +116,9 @@ def run(args) -> int:
             codec = KVCodec(d, *bits, scale_dtype=getattr(torch, args.scale_dtype))
             cache = fill_cache(codec, b, hkv, length, device, exact_first=args.exact_first,
                                exact_recent=args.exact_recent)
-            exact_ctas = b * hkv * cuda_exact_parts(d, args.exact_first + args.exact_recent)
+            plan = plan_decode(device, d, *bits, b * hkv, hq // hkv, length, kernel="cuda",
+                               exact_rows=args.exact_first + args.exact_recent)
+            exact_ctas = b * hkv * (plan.exact_parts or 0)
             q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
             for _ in range(3):
                 stamped_call(q, cache)   # build, warm up

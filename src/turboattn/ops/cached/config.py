@@ -53,7 +53,14 @@ CUDA_MIN_KEYS_PER_SPLIT = 256
 CUDA_MAX_SPLITS = 128
 CUDA_MAX_SPLITS_D64 = 64   # D = 64: 128 measured 3% slower (one sequence x 1 KV head at 32K, H100)
 CUDA_SHORT_SPLIT = 1024
+# A wave that fills fewer than CUDA_MIN_WAVE_FILL of the resident slots (32 x 8 KV heads on 396 slots: 65%) takes
+# more splits over up to CUDA_MAX_WAVES waves instead (cuda_num_splits).
+CUDA_MIN_WAVE_FILL = 0.9
+CUDA_MAX_WAVES = 2
 CUDA_EXACT_TAIL_KEYS = 512
+# The exact rows spread over several CTAs per (sequence, KV head) only while the whole grid stays within this many
+# waves (cuda_exact_ctas).
+CUDA_EXACT_SPREAD_WAVES = 1.5
 # Exact rows per exact CTA, by head dim (cuda_exact_parts): at D = 128 a CTA of 32 rows or fewer gives each row 4
 # threads and each thread one round of loads; at D = 64 one CTA for the presets' 68 rows finishes within the splits.
 CUDA_EXACT_ROWS_PER_CTA = {64: 128, 128: 32, 256: 16, 512: 16}
@@ -71,10 +78,12 @@ CUDA_COUNTERS_PER_HEAD = 17
 CUDA_ONE_LEVEL_MERGE = 32 * 1024
 
 
-def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
+def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,
+                    max_waves: int = CUDA_MAX_WAVES) -> int:
     """Splits per (sequence, KV head) for the CUDA kernel, given the CTAs resident at once.
 
-    One wave at most (a second measured slower: each CTA builds its tables and rotates q), splits of at least
+    One wave at most (a second measured slower: each CTA builds its tables and rotates q) unless one wave would
+    fill under CUDA_MIN_WAVE_FILL of the slots (then the fullest of up to max_waves), splits of at least
     CUDA_MIN_KEYS_PER_SPLIT keys (8 x 8 heads at L=1024: 4 splits 16.4 us, 2 splits 17.3), at most
     CUDA_MAX_SPLITS (CUDA_MAX_SPLITS_D64 at D = 64; the merge on the kernel's tail reads every part, and since its
     loads stay in flight across a thread's outputs 128 splits beat 64 where few (sequence, KV head) pairs would
@@ -84,11 +93,23 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
     28.2 us at 32 splits, 30.7 at 64; 2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads at
     16K: 23.5 us at 22, 26.6 at 11).
     """
-    most = CUDA_MAX_SPLITS_D64 if head_dim <= 64 else CUDA_MAX_SPLITS
-    splits = max(1, min(resident // batch_kv_heads, max_tokens // CUDA_MIN_KEYS_PER_SPLIT, most))
+    most = min(CUDA_MAX_SPLITS_D64 if head_dim <= 64 else CUDA_MAX_SPLITS, max_tokens // CUDA_MIN_KEYS_PER_SPLIT)
+    splits = max(1, min(resident // batch_kv_heads, most))
+    if wave_fill(splits * batch_kv_heads, resident) < CUDA_MIN_WAVE_FILL:
+        # Few splits per (sequence, KV head) leave slots idle (k4v3 at B=32 x 8 KV heads, 3 CTAs x 132 SMs: one split
+        # fills 65% of one wave, 195 us with the default preset's exact rows; three in two waves, 155 us): the
+        # fullest waves up to CUDA_MAX_WAVES, the fewest splits among equals.
+        most_in_waves = min(most, max_waves * resident // batch_kv_heads)
+        splits = max(range(splits, max(splits, most_in_waves) + 1),
+                     key=lambda s: (wave_fill(s * batch_kv_heads, resident), -s))
     if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
         splits = max(1, min(splits, resident // 2 // batch_kv_heads))
     return cuda_filled_splits(splits, max_tokens)
+
+
+def wave_fill(ctas: int, resident: int) -> float:
+    """The share of the resident slots that `ctas` CTAs keep busy over the waves they take."""
+    return ctas / (-(-ctas // resident) * resident)
 
 
 def cuda_filled_splits(splits: int, tokens: int) -> int:
@@ -110,6 +131,18 @@ def cuda_exact_parts(head_dim: int, exact_rows: int) -> int:
     return -(-exact_rows // CUDA_EXACT_ROWS_PER_CTA[head_dim])
 
 
+def cuda_exact_ctas(exact_parts: int, splits: int, resident: int, batch_kv_heads: int) -> int:
+    """Exact CTAs per (sequence, KV head) for a launch of `splits` splits: the rows' cuda_exact_parts while the grid
+    stays within CUDA_EXACT_SPREAD_WAVES waves, else one.  Spread, each exact CTA ends sooner, which matters where
+    the splits are short (B=1 D=128 L=32K: 68 rows on one CTA took 30 µs beside 15 µs splits); in a grid of several
+    waves the extra CTAs only queue behind the splits (H100, k4v3 + first 4 + recent 64, D=128: B=8 L=32K 1.4
+    waves, three CTAs 136.6 µs against one 139.2; B=16 L=16K 1.9 waves, 145.3 against 140.2; B=32 L=8K, three
+    splits, 168.5 against 155.1)."""
+    if exact_parts <= 1 or (splits + exact_parts) * batch_kv_heads <= CUDA_EXACT_SPREAD_WAVES * resident:
+        return exact_parts
+    return 1
+
+
 def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,
                       exact_parts: int = 1) -> int:
     """Splits for a cache with exact rows, given the plain plan's: the kernel launches exact_parts exact CTAs per
@@ -121,7 +154,7 @@ def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim:
     taken = exact_parts * batch_kv_heads
     if (splits + exact_parts) * batch_kv_heads <= resident:
         return splits   # one wave with them already
-    in_wave = cuda_num_splits(max(resident - taken, batch_kv_heads), batch_kv_heads, head_dim, max_tokens)
+    in_wave = cuda_num_splits(max(resident - taken, batch_kv_heads), batch_kv_heads, head_dim, max_tokens, 1)
     return splits if max_tokens / in_wave - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else in_wave
 
 
@@ -171,6 +204,9 @@ class DecodePlan:
     num_stages: int
     num_splits: int    # split-K programs per (sequence, KV head); the fresh-token part is extra
     lookup: str        # "lut": 4-bit sides decode through a register LUT (CUDA); "gather": table loads
+    # CUDA kernel, caches with exact rows: CTAs per (sequence, KV head) that attend them, at most the rows'
+    # cuda_exact_parts (None: that many; plan_decode picks by cuda_exact_ctas).  The Triton kernels ignore it.
+    exact_parts: int | None = None
 
     def __post_init__(self):
         if self.lookup not in LOOKUPS:
@@ -179,11 +215,13 @@ class DecodePlan:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodePlan.{name} must be a positive int, got {value!r}")
+        if self.exact_parts is not None and (not isinstance(self.exact_parts, int) or self.exact_parts < 1):
+            raise ValueError(f"DecodePlan.exact_parts must be None or a positive int, got {self.exact_parts!r}")
 
     def to_list(self) -> list[int]:
-        """The plan as the op's int list (lookup as its index in LOOKUPS)."""
+        """The plan as the op's int list (lookup as its index in LOOKUPS, exact_parts None as 0)."""
         return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.num_splits,
-                LOOKUPS.index(self.lookup)]
+                LOOKUPS.index(self.lookup), self.exact_parts or 0]
 
     @classmethod
     def from_list(cls, values) -> DecodePlan:
@@ -192,8 +230,8 @@ class DecodePlan:
 
 @lru_cache(maxsize=4096)
 def _plan_from_tuple(values: tuple[int, ...]) -> DecodePlan:
-    *ints, lookup = values
-    return DecodePlan(*ints, LOOKUPS[lookup])
+    *ints, lookup = values[:6]
+    return DecodePlan(*ints, LOOKUPS[lookup], (values[6] or None) if len(values) > 6 else None)
 
 
 def _tile(head_dim: int) -> tuple[int, int, int]:
@@ -214,16 +252,19 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
 
     kernel: the implementation that will run it ("cuda" plans the CUDA kernel's splits where it serves).
     exact_rows: the cache's exact rows per (sequence, KV head) (first tokens and recent window); the CUDA kernel
-    then adds cuda_exact_parts CTAs per (sequence, KV head), launched after the splits (cuda_exact_splits).
+    then adds exact_parts CTAs per (sequence, KV head) (cuda_exact_ctas), launched after the splits
+    (cuda_exact_splits).
     """
     block_m = 16 if query_rows <= 16 else 64
     block_n, num_warps, num_stages = _tile(head_dim)
+    exact_parts = None
     if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
         resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
         num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
         if exact_rows:
-            num_splits = cuda_exact_splits(num_splits, resident, batch_kv_heads, head_dim, max_tokens,
-                                           cuda_exact_parts(head_dim, exact_rows))
+            exact_parts = cuda_exact_ctas(cuda_exact_parts(head_dim, exact_rows), num_splits, resident,
+                                          batch_kv_heads)
+            num_splits = cuda_exact_splits(num_splits, resident, batch_kv_heads, head_dim, max_tokens, exact_parts)
     if num_splits is None:
         row_blocks = -(-query_rows // block_m)
         num_splits = num_splits_for(device, batch_kv_heads * row_blocks, max_tokens,
@@ -236,7 +277,8 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         # (BENCHMARKS.md).  Both sides gather instead: slower, correct.
         lookup = "gather"
     if torch.compiler.is_compiling():   # traced: a plan built in the graph, not a cache lookup traced through
-        return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup)
+        return DecodePlan(block_m, block_n, num_warps, num_stages, num_splits, lookup, exact_parts)
     # A growing cache asks with a new max_tokens every step (a miss above) for one of a few plans: the plan
     # objects are shared, so a miss builds and validates none.
-    return _plan_from_tuple((block_m, block_n, num_warps, num_stages, num_splits, LOOKUPS.index(lookup)))
+    return _plan_from_tuple((block_m, block_n, num_warps, num_stages, num_splits, LOOKUPS.index(lookup),
+                             exact_parts or 0))

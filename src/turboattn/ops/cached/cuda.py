@@ -2,7 +2,8 @@
 at head_dim 64/128/256/512 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
 
 One launch covers the cache splits and their merge: with exact rows (an exact recent window, exact first
-tokens), config.cuda_exact_parts more CTAs attend them in full precision, each one more part; the last CTA of
+tokens), the plan's exact_parts more CTAs per (sequence, KV head) attend them in full precision (at most
+config.cuda_exact_parts), each one more part; the last CTA of
 each sequence x KV head attends the fresh k/v tokens (when given) in full precision, merges them with the parts,
 adds the sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
 query rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which
@@ -51,7 +52,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     if ext is not None and plan is None:
         plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, fixed.capacity, None, None, "cuda",
                            fixed.exact_row_count)
-    num_parts = plan.num_splits + fixed.exact_parts if ext is not None else 0   # the exact CTAs' parts after the splits
+    num_parts = plan.num_splits + _exact_ctas(plan, fixed) if ext is not None else 0   # exact CTAs after the splits
     if ext is None or num_parts > CUDA_MAX_PARTS:
         with device_guard(q.device):   # the ops' guard is this implementation's own (library.SELF_GUARDED)
             return cached_attention_triton(q, layout, codec, k, v, scale, softcap, sinks, plan)
@@ -95,12 +96,12 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
     ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
     if ext is None or fixed.exact_rows is None or fixed.counters is None:
         return None   # the Triton path, or the rows or counters of each call: cached_attention_cuda's work
-    head, exact_parts, key_shift, exact_rows = fixed.head, fixed.exact_parts, fixed.fresh_key_shift, fixed.exact_rows
+    head, key_shift, exact_rows = fixed.head, fixed.fresh_key_shift, fixed.exact_rows
     q_scale, kernel_softcap = float(query_scale(d, scale, softcap)), float(softcap or 0.0)
     window, ring, counters = fixed.window, fixed.ring, fixed.counters
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-        num_parts = plan.num_splits + exact_parts   # the exact CTAs' parts after the splits
+        num_parts = plan.num_splits + _exact_ctas(plan, fixed)   # the exact CTAs' parts after the splits
         # The kernel reads contiguous q, k, v as they are (a decode step's); anything else, and more parts than it
         # merges, go the general way.
         if num_parts > CUDA_MAX_PARTS or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
@@ -109,6 +110,12 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
                           plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
                           key_shift, *exact_rows, cuda_merge_group(num_parts, rows, d))
     return launch
+
+
+def _exact_ctas(plan: DecodePlan, fixed: _LayoutArgs) -> int:
+    """The plan's exact CTAs per (sequence, KV head), within what the layout's exact rows allow (none without)."""
+    most = fixed.exact_parts
+    return most if plan.exact_parts is None or most == 0 else min(plan.exact_parts, most)
 
 
 def _layout_args(layout: CacheLayout, codec: KVCodec) -> _LayoutArgs:
@@ -132,7 +139,8 @@ class _LayoutArgs:
         self.num_kv_heads, self.capacity = k_codes.shape[1], k_codes.shape[2]
         self.serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)   # rows: the call's
         self.exact_row_count = layout.exact_row_count
-        self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0   # (the kernel's dims)
+        # The most exact CTAs per (sequence, KV head) (the plan may take fewer: _exact_ctas).
+        self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0
         transform = layout.key_gain is not None
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                      layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits,
