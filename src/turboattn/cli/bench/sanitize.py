@@ -128,6 +128,9 @@ def option_cases():
         ("bf16 scales", 128, ta.KVCodec(128, 4, 4, scale_dtype=torch.bfloat16), {}),
         ("exact_first=4 exact_recent=64 bf16 scales", 64, ta.KVCodec(64, 4, 4, scale_dtype=torch.bfloat16),
          dict(exact_first=4, exact_recent=64)),
+        # 68 exact rows at D = 128: three exact CTAs per (sequence, KV head) (config.cuda_exact_parts).
+        ("D=128 exact_first=4 exact_recent=64 bf16 scales", 128,
+         ta.KVCodec(128, 4, 3, scale_dtype=torch.bfloat16), dict(exact_first=4, exact_recent=64)),
         ("static", 128, ta.KVCodec(128, 4, 4), dict(static=True)),
         ("D=80", 80, ta.KVCodec(80, 4, 4), {}),
         ("D=96 ring", 96, ta.KVCodec(96, 5, 3), dict(sliding_window=64)),
