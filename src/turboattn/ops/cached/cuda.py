@@ -96,12 +96,14 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
     ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
     if ext is None or fixed.exact_rows is None or fixed.counters is None:
         return None   # the Triton path, or the rows or counters of each call: cached_attention_cuda's work
-    head, key_shift, exact_rows = fixed.head, fixed.fresh_key_shift, fixed.exact_rows
+    head, most_exact, key_shift, exact_rows = fixed.head, fixed.exact_parts, fixed.fresh_key_shift, fixed.exact_rows
     q_scale, kernel_softcap = float(query_scale(d, scale, softcap)), float(softcap or 0.0)
     window, ring, counters = fixed.window, fixed.ring, fixed.counters
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-        num_parts = plan.num_splits + _exact_ctas(plan, fixed)   # the exact CTAs' parts after the splits
+        # The exact CTAs' parts after the splits (_exact_ctas, inline: this is the decode step's host path).
+        exact = plan.exact_parts
+        num_parts = plan.num_splits + (most_exact if exact is None or most_exact == 0 else min(exact, most_exact))
         # The kernel reads contiguous q, k, v as they are (a decode step's); anything else, and more parts than it
         # merges, go the general way.
         if num_parts > CUDA_MAX_PARTS or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
