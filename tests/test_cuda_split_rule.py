@@ -180,9 +180,9 @@ def test_exact_ctas_at_the_measured_shapes():
 
 
 def test_exact_parts_of_the_presets():
-    # The default presets' first 4 + recent 64 at D <= 128 (68 rows: one CTA at D = 64, three of 23 / 23 / 22
-    # rows at D = 128) and first 4 + recent 8 above (one CTA).
-    assert [cuda_exact_parts(d, 68) for d in (64, 128)] == [1, 3]
+    # The default presets' first 4 + recent 64 at D <= 128 (68 rows: two CTAs of 34 at D = 64, three of 23 / 23 /
+    # 22 rows at D = 128) and first 4 + recent 8 above (one CTA).
+    assert [cuda_exact_parts(d, 68) for d in (64, 128)] == [2, 3]
     assert [cuda_exact_parts(d, 12) for d in (256, 512)] == [1, 1]
 
 
