@@ -187,7 +187,8 @@ def _check_against_reference(case, d, bits=(4, 4), scale_dtype=torch.float32, op
 
 
 # The plan's exact CTAs per (sequence, KV head): one for all 68 rows (what config.cuda_exact_ctas picks in grids
-# of several waves), two (uneven shares), the rows' own three, and more than the rows allow (capped to three).
+# of several waves), two of 34 rows, the rows' own three (23, 23, 22), and more than the rows allow (capped to
+# three).  Five splits.
 @pytest.mark.parametrize("exact_parts", [1, 2, None, 7], ids=lambda e: f"E{e}")
 def test_cuda_decode_exact_ctas_of_the_plan(exact_parts):
     torch.manual_seed(11)
