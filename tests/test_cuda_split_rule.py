@@ -128,20 +128,20 @@ def test_merge_rule_at_the_measured_shapes():
 
 
 @settings(max_examples=500, deadline=None)
-@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS, st.sampled_from([1, 2, 3, 5]))
-def test_exact_rows_share_the_wave_or_take_a_worthwhile_tail(resident, bkv, d, tokens, exact_parts):
-    """With exact rows the splits either leave exact_parts slots per (sequence, KV head) for the exact CTAs (one
-    wave with them), or are the plain plan's where that shortens each split by CUDA_EXACT_TAIL_KEYS or more; a plain
-    plan that leaves the slots already is kept."""
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 128, 256]), TOKENS)
+def test_exact_rows_share_the_wave_or_take_a_worthwhile_tail(resident, bkv, d, tokens):
+    """With exact rows the splits either leave one slot per (sequence, KV head) for an exact CTA (one wave with
+    them), or are the plain plan's where that shortens each split by CUDA_EXACT_TAIL_KEYS or more; a plain plan
+    that leaves the slots already is kept."""
     plain = cuda_num_splits(resident, bkv, d, tokens)
-    splits = cuda_exact_splits(plain, resident, bkv, d, tokens, exact_parts)
-    fits = splits == 1 or (splits + exact_parts) * bkv <= resident
-    if (plain + exact_parts) * bkv <= resident:
+    splits = cuda_exact_splits(plain, resident, bkv, d, tokens)
+    fits = splits == 1 or (splits + 1) * bkv <= resident
+    if (plain + 1) * bkv <= resident:
         assert splits == plain
     if splits != plain:
         assert fits
     elif not fits:
-        in_wave = cuda_num_splits(max(resident - exact_parts * bkv, bkv), bkv, d, tokens, 1)
+        in_wave = cuda_num_splits(max(resident - bkv, bkv), bkv, d, tokens, 1)
         assert tokens / in_wave - tokens / plain >= CUDA_EXACT_TAIL_KEYS
 
 

@@ -242,7 +242,7 @@ def test_the_cuda_launchers_hand_the_extension_what_the_wrappers_do(options, sca
     (cache, _), q, (k, v) = _twins(gen, options)
     q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
     layout, codec = cache.layout, cache.codec
-    plan = plan_decode(q.device, 64, 4, 3, 4, 4, 40, None, None, "cuda", layout.exact_recent + layout.exact_first)
+    plan = plan_decode(q.device, 64, 4, 3, 4, 4, 40, None, None, "cuda", layout.exact_row_count)
 
     def recorded(call):
         recorder.calls.clear()

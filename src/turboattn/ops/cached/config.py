@@ -144,18 +144,17 @@ def cuda_exact_ctas(exact_parts: int, splits: int, resident: int, batch_kv_heads
     return 1
 
 
-def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,
-                      exact_parts: int = 1) -> int:
-    """Splits for a cache with exact rows, given the plain plan's: the kernel launches exact_parts exact CTAs per
-    (sequence, KV head) after the splits' CTAs.  The plan for the residency less those slots keeps them in the
-    splits' wave; the plain plan takes those slots for splits and makes them a tail (a few µs: the exact CTAs read
-    their rows and rotate their output).  The tail is taken where it shortens each split by CUDA_EXACT_TAIL_KEYS
-    or more (H100, BENCHMARKS.md: B=8 D=128 L=32K 6 splits against 5 gained 13%, D=256 L=8K 4 against 3 9%;
-    B=8 D=64 L=16K 16 against 15 lost 22%, B=1 D=128 33 against 32 lost 5%)."""
-    taken = exact_parts * batch_kv_heads
-    if (splits + exact_parts) * batch_kv_heads <= resident:
+def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int) -> int:
+    """Splits for a cache with exact rows, given the plain plan's, with room for one exact CTA per (sequence, KV
+    head) launched after the splits' CTAs (plan_decode: further exact CTAs of a spread are short and take the
+    wave's slack).  The plan for the residency less those slots keeps them in the splits' wave; the plain plan takes
+    those slots for splits and makes them a tail (a few µs: the exact CTA reads its rows and rotates its output).
+    The tail is taken where it shortens each split by CUDA_EXACT_TAIL_KEYS or more (H100, BENCHMARKS.md: B=8 D=128
+    L=32K 6 splits against 5 gained 13%, D=256 L=8K 4 against 3 9%; B=8 D=64 L=16K 16 against 15 lost 22%, B=1
+    D=128 33 against 32 lost 5%)."""
+    if (splits + 1) * batch_kv_heads <= resident:
         return splits   # one wave with them already
-    in_wave = cuda_num_splits(max(resident - taken, batch_kv_heads), batch_kv_heads, head_dim, max_tokens, 1)
+    in_wave = cuda_num_splits(max(resident - batch_kv_heads, batch_kv_heads), batch_kv_heads, head_dim, max_tokens, 1)
     return splits if max_tokens / in_wave - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else in_wave
 
 
@@ -263,9 +262,9 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
         resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
         num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
         if exact_rows:
-            # The splits leave room for one exact CTA per (sequence, KV head), as the tail rule was measured; the
-            # further CTAs of a spread are short and take what slack the wave has (at D = 64, B=8 and B=16, planning
-            # room for two cost a split and 1-8%).
+            # The splits leave room for one exact CTA per (sequence, KV head) (cuda_exact_splits), as the tail rule
+            # was measured; the further CTAs of a spread are short and take what slack the wave has (at D = 64, B=8
+            # and B=16, planning room for two cost a split and 1-8%).
             exact_parts = cuda_exact_ctas(cuda_exact_parts(head_dim, exact_rows), num_splits, resident,
                                           batch_kv_heads)
             num_splits = cuda_exact_splits(num_splits, resident, batch_kv_heads, head_dim, max_tokens)
