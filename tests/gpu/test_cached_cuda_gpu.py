@@ -99,6 +99,12 @@ OPTION_CASES = [
     # (16 rows each at D = 256), and an uneven last share (70 rows at D = 128: 24, 24 and 22).
     (256, (4, 4), torch.bfloat16, dict(exact_first=40, exact_recent=8), 1),
     (128, (4, 3), torch.bfloat16, dict(exact_first=6, exact_recent=64), 1),
+    # bfloat16 scales are read as the aligned words that hold them: odd capacities (3,001 and 2,001 slots) put a
+    # lane's scales in either half of a word, and the last tile, past the capacity, takes the clamped loads.
+    (128, (3, 3), torch.bfloat16, dict(), 2),
+    (256, (6, 6), torch.bfloat16, dict(), 5),
+    (512, (2, 2), torch.bfloat16, dict(), 2),
+    (64, (5, 4), torch.bfloat16, dict(), 5),
 ]
 
 

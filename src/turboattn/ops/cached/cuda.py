@@ -139,7 +139,9 @@ class _LayoutArgs:
         d, dev = codec.head_dim, k_codes.device
         self.codec = codec
         self.num_kv_heads, self.capacity = k_codes.shape[1], k_codes.shape[2]
-        self.serves = cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)   # rows: the call's
+        # rows: the call's.  The kernel reads scales as aligned 32-bit words (the cache allocates them so).
+        self.serves = (cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)
+                       and layout.k_scales.data_ptr() % 4 == 0 and layout.v_scales.data_ptr() % 4 == 0)
         self.exact_row_count = layout.exact_row_count
         # The most exact CTAs per (sequence, KV head) (the plan may take fewer: _exact_ctas).
         self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0

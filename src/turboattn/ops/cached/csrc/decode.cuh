@@ -18,7 +18,8 @@
 //     output dims are un-permuted on store.
 // Centroids come from byte -> fp16 tables in shared memory (CodeTable), one copy per lane (no bank conflicts); a
 // lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit planes); codes
-// of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: four instructions per word).
+// of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: one select per word and
+// half, plus its shifts).
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
@@ -85,18 +86,23 @@ struct Planes {
 };
 
 // Byte -> fp16 centroid table of a BITS-bit side, one column per lane: entry (byte, lane) is ENTRY_WORDS words at
-// word (byte * 32 + lane) * ENTRY_WORDS, for bytes below ROWS.  An entry holds the centroids of every code in the
+// word (byte * 32 + lane) * ENTRY_WORDS, for all 256 bytes.  An entry holds the centroids of every code in the
 // byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
 //   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
 //   3 bits: half2 (c[a], c[b]) of a byte that merge_planes built: a's low bits at 0-1 and high bit at 4, b's at 2-3
-//           and 6;
+//           and 6 (bit 5 masked off by the lookup, ROW_MASK);
 //   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code.
+// merge_planes takes whole nibbles of the high plane (a select), other dims' bits included, and the lookup's mask,
+// which it applies anyway, drops them: three instructions per lookup where masking each code's bits took four.
 template <int BITS>
 struct CodeTable {
   static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
   static constexpr int ROWS = BITS == 3 ? 0x60 : (BITS == 5 || BITS == 6 ? 1 << BITS : 256);
+  // The byte bits that choose the entry: merge_planes leaves other dims' high bits in the rest (3 bits: bits 5 and
+  // 7; 5 and 6 bits: those above the code), and the lookup's mask drops them.
+  static constexpr uint32_t ROW_MASK = BITS == 3 ? 0x5F : (BITS == 5 || BITS == 6 ? (1 << BITS) - 1 : 0xFF);
   static constexpr int WORDS = ROWS * 32 * ENTRY_WORDS;
   static constexpr int SHIFT = BITS == 2 ? 8 : 7;  // log2 of an entry row's bytes (32 lanes x entry)
 
@@ -148,11 +154,11 @@ struct CodeTable {
   }
 
   // Byte i of `word`'s entry for this lane (lane_offset = lane * 4 * ENTRY_WORDS): the byte offset
-  // byte << SHIFT | lane_offset in one shift and one lop3 (the fields do not overlap), and the table's own
-  // address is the shared load's immediate.
+  // (byte & ROW_MASK) << SHIFT | lane_offset in one shift and one lop3 (the fields do not overlap), and the table's
+  // own address is the shared load's immediate.
   __device__ __forceinline__ static uint32_t offset(uint32_t lane_offset, uint32_t word, int i) {
     const uint32_t shifted = i * 8 <= SHIFT ? word << (SHIFT - 8 * i) : word >> (8 * i - SHIFT);
-    return (shifted & (0xFFu << SHIFT)) | lane_offset;
+    return (shifted & (ROW_MASK << SHIFT)) | lane_offset;
   }
   __device__ __forceinline__ static uint32_t lookup(const uint32_t* table, uint32_t lane_offset, uint32_t word,
                                                     int i) {
@@ -168,15 +174,24 @@ struct CodeTable {
 __device__ __forceinline__ uint32_t low_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x5410); }
 __device__ __forceinline__ uint32_t high_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x7632); }
 
+// The low nibble of each byte from a, the high nibble from b: one lop3 (as inline PTX, so that the compiler does
+// not split it per table byte: it folded the masks into each lookup's byte, three instructions per lookup).
+__device__ __forceinline__ uint32_t select_low_nibbles(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, 0x0F0F0F0F, 0xE4;" : "=r"(r) : "r"(a), "r"(b));  // (a & c) | (b & ~c)
+  return r;
+}
+
 // Table bytes of a two-plane code from a word of its low plane and the word of its high plane that holds the same
-// dims' high bits, shifted down by the lane's high_shift: .x from the low nibble of each low byte (fields 0 and 1
-// of a 2-bit plane, field 0 of a 4-bit one), .y from the high nibble.  Field f of a low byte has its high bits at
-// bit 2f (2-bit low plane: 1-bit fields interleaved two to one) or 4f (4-bit low plane) of the shifted high byte,
-// so one mask places them next to the low bits: four instructions per word.
+// dims' high bits from bit high_shift on: .x from the low nibble of each low byte (fields 0 and 1 of a 2-bit plane,
+// field 0 of a 4-bit one), .y from the high nibble.  Field f of a low byte has its high bits at bit 2f (2-bit low
+// plane: 1-bit fields interleaved two to one) or 4f (4-bit low plane) of the shifted high byte, so a whole nibble
+// of it placed above the low bits carries them (and other dims' bits, which CodeTable::offset masks off;
+// high_shift < 4 in every layout).
 template <int BITS>
-__device__ __forceinline__ uint2 merge_planes(uint32_t low, uint32_t high) {
-  constexpr uint32_t M = BITS == 3 ? 0x50505050u : (BITS == 5 ? 0x10101010u : 0x30303030u);
-  return make_uint2((low & 0x0F0F0F0Fu) | ((high << 4) & M), ((low >> 4) & 0x0F0F0F0Fu) | (high & M));
+__device__ __forceinline__ uint2 merge_planes(uint32_t low, uint32_t high, int high_shift) {
+  return make_uint2(select_low_nibbles(low, high << (4 - high_shift)),
+                    select_low_nibbles(low >> 4, high >> high_shift));
 }
 
 // Where a lane's high-plane bytes are: a lane reads BYTES contiguous bytes of the low plane from byte `first`
@@ -238,10 +253,10 @@ struct KeyCodes {
     } else if constexpr (BITS == 2) {  // byte kk: dims j + k D/4, k = 0..3; register reg takes k = 2 reg, 2 reg + 1
       return Table::lookup2(table, lane_offset, w[kk / 4], kk % 4);
     } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, the merged words holding k = 0, 1 and k = 2, 3
-      const uint2 m = merge_planes<BITS>(w[kk / 4], w[LOW_WORDS + kk / 4] >> high_shift);
+      const uint2 m = merge_planes<BITS>(w[kk / 4], w[LOW_WORDS + kk / 4], high_shift);
       return make_uint2(Table::lookup(table, lane_offset, m.x, kk % 4), Table::lookup(table, lane_offset, m.y, kk % 4));
     } else {  // 5, 6 bits: as 4 bits, one lookup per dim
-      const uint2 m = merge_planes<BITS>(w[kk / 2], w[LOW_WORDS + kk / 2] >> high_shift);
+      const uint2 m = merge_planes<BITS>(w[kk / 2], w[LOW_WORDS + kk / 2], high_shift);
       const int i = 2 * (kk % 2);
       return make_uint2(low_halves(Table::lookup(table, lane_offset, m.x, i), Table::lookup(table, lane_offset, m.y, i)),
                         low_halves(Table::lookup(table, lane_offset, m.x, i + 1),
@@ -261,7 +276,7 @@ struct KeyCodes {
         return b ? make_uint2(high_halves(x[0], x[1]), high_halves(x[2], x[3]))
                  : make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
       } else {  // 5, 6 bits: the merged word of block b holds one code per byte
-        const uint2 mw = merge_planes<BITS>(w[m], w[LOW_WORDS + m] >> high_shift);
+        const uint2 mw = merge_planes<BITS>(w[m], w[LOW_WORDS + m], high_shift);
         const uint32_t word = b ? mw.y : mw.x;
 #pragma unroll
         for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
@@ -274,7 +289,7 @@ struct KeyCodes {
         const uint2 e1 = Table::lookup2(table, lane_offset, w[m / 2], i + 1);
         return b ? make_uint2(e0.y, e1.y) : make_uint2(e0.x, e1.x);
       } else {  // 3 bits: the merged word of fields 0, 1 (block 0) or 2, 3 (block 1)
-        const uint2 mw = merge_planes<BITS>(w[m / 2], w[LOW_WORDS + m / 2] >> high_shift);
+        const uint2 mw = merge_planes<BITS>(w[m / 2], w[LOW_WORDS + m / 2], high_shift);
         const uint32_t word = b ? mw.y : mw.x;
         return make_uint2(Table::lookup(table, lane_offset, word, i), Table::lookup(table, lane_offset, word, i + 1));
       }
@@ -319,7 +334,7 @@ struct ValueCodes {
           const uint32_t hi = Table::lookup(table, lane_offset, w[j][word], i + 1);
           x[j] = b ? high_halves(lo, hi) : low_halves(lo, hi);
         } else {  // 5, 6 bits: the merged word of block b
-          const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word] >> high_shift);
+          const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word], high_shift);
           const uint32_t mw = b ? m.y : m.x;
           x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
         }
@@ -341,13 +356,13 @@ struct ValueCodes {
     } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, from the merged word holding k = 2 (t % 2), +1
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint2 m = merge_planes<BITS>(w[j][t / 8], w[j][LOW_WORDS + t / 8] >> high_shift);
+        const uint2 m = merge_planes<BITS>(w[j][t / 8], w[j][LOW_WORDS + t / 8], high_shift);
         x[j] = Table::lookup(table, lane_offset, t % 2 ? m.y : m.x, (t / 2) % 4);
       }
     } else {  // 5, 6 bits: as 4 bits, one lookup per dim
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint2 m = merge_planes<BITS>(w[j][t / 4], w[j][LOW_WORDS + t / 4] >> high_shift);
+        const uint2 m = merge_planes<BITS>(w[j][t / 4], w[j][LOW_WORDS + t / 4], high_shift);
         x[j] = low_halves(Table::lookup(table, lane_offset, m.x, t % 4), Table::lookup(table, lane_offset, m.y, t % 4));
       }
     }
@@ -509,24 +524,74 @@ template <class S>
 struct TileData {
   uint32_t kw[2][S::K::WORDS];
   uint32_t vw[4][S::V::WORDS];
-  float k_scale[2][S::NB], v_scale[2][S::NB];  // [key g, g + 8][norm block]
+  // [key g, g + 8][norm block]: the words that hold the scales, made floats (scale_value) only where the tile is
+  // processed, so that no instruction waits on the loads in flight.
+  uint32_t k_scale[2][S::NB], v_scale[2][S::NB];
 };
 
 // This lane's addresses at slot 0 of its (sequence, KV head): every load of a tile is one of these plus the
-// tile's offset plus an immediate.
+// tile's offset plus an immediate.  A scale is read as the aligned 32-bit word that holds it and byte-permuted into
+// a float (float32: the word itself; bfloat16: its half moved up), so that both dtypes take the same instructions
+// (a branch on the dtype per load was if-converted into both loads and both addresses).
 struct LanePointers {
   const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES of the low plane
   const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES of the low plane
-  const uint8_t* ks;  // K scales of key g (float32, or bfloat16 with bf16; S::NB per key)
-  const uint8_t* vs;  // V scales of key g
+  const uint8_t* ks;  // the word that holds the K scale of key g, block 0
+  const uint8_t* vs;  // the word that holds the V scale of key g, block 0
   int k_high, v_high;  // two-plane codes: the high plane's slice, in bytes after the low plane's
-  bool bf16;
+  int scale_row;       // bytes per key of the scales (norm blocks x 2 or 4)
+  int block_step;      // bytes from block 0's word to block 1's (two norm blocks)
+  uint32_t sel[2];     // per block: the byte permutation of its word that gives the float (K and V alike: both
+                       // scale tensors are 4-byte aligned, cuda.py)
 };
 
-// The scale `key` keys after the lane's own (streamed).  A run-time choice: one uniform branch per tile.
-__device__ __forceinline__ float load_scale(const uint8_t* base, int key, bool bf16) {
-  if (bf16) return __uint_as_float(static_cast<uint32_t>(__ldcs(reinterpret_cast<const unsigned short*>(base) + key)) << 16);
-  return __ldcs(reinterpret_cast<const float*>(base) + key);
+// A scale at byte `addr`: the aligned word that holds it, and the byte permutation that makes it a float.
+__device__ __forceinline__ const uint8_t* scale_word(const uint8_t* addr) {
+  return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(addr) & ~static_cast<uintptr_t>(3));
+}
+__device__ __forceinline__ uint32_t scale_selector(const uint8_t* addr, bool bf16) {
+  return !bf16 ? 0x3210u : ((reinterpret_cast<uintptr_t>(addr) & 2) ? 0x3244u : 0x1044u);
+}
+__device__ __forceinline__ uint32_t load_scale_word(const uint8_t* word) {
+  return __ldcs(reinterpret_cast<const unsigned int*>(word));
+}
+__device__ __forceinline__ float scale_value(uint32_t word, uint32_t sel) { return __uint_as_float(__byte_perm(word, 0u, sel)); }
+
+// The words that hold the scales of keys g and g + 8: slots[n] after the lane's key.  An even slot keeps the lane's
+// words and permutations (a scale row is 2 bytes at least); CLAMPED slots (the last tile of a full cache) can be odd:
+// their scales are read from their own words at once (a rare path) and stored as words that the lane's permutation
+// turns into them.
+template <class S, bool CLAMPED>
+__device__ __forceinline__ void load_scales(const LanePointers& lp, const int (&slots)[2], TileData<S>& t) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    // Unclamped slots are not negative: one wide multiply-add per address.
+    const size_t offset = CLAMPED ? (size_t)((ptrdiff_t)slots[n] * lp.scale_row)
+                                  : (size_t)(uint32_t)slots[n] * (uint32_t)lp.scale_row;
+    const uint8_t* ks = lp.ks + offset;
+    const uint8_t* vs = lp.vs + offset;
+    if constexpr (CLAMPED) {
+      const int bytes = lp.scale_row / S::NB;
+      const bool bf16 = bytes == 2;
+#pragma unroll
+      for (int b = 0; b < S::NB; ++b) {  // the scales' own addresses: the lane's words are 2 bytes below when odd
+        const int odd = lp.sel[0] == 0x3244u ? 2 : 0;
+        const uint8_t* k_at = ks + odd + b * bytes;
+        const uint8_t* v_at = vs + odd + b * bytes;
+        const uint32_t kf = __float_as_uint(scale_value(load_scale_word(scale_word(k_at)), scale_selector(k_at, bf16)));
+        const uint32_t vf = __float_as_uint(scale_value(load_scale_word(scale_word(v_at)), scale_selector(v_at, bf16)));
+        const bool low_half = lp.sel[b] == 0x1044u;  // the permutation moves the low half up: put the value there
+        t.k_scale[n][b] = low_half ? kf >> 16 : kf;
+        t.v_scale[n][b] = low_half ? vf >> 16 : vf;
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < S::NB; ++b) {
+        t.k_scale[n][b] = load_scale_word(ks + b * lp.block_step);
+        t.v_scale[n][b] = load_scale_word(vs + b * lp.block_step);
+      }
+    }
+  }
 }
 
 template <class S>
@@ -535,14 +600,8 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
   const uint8_t* k = lp.k + (size_t)tile * KR;
   const uint8_t* v = lp.v + (size_t)tile * VR;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
-#pragma unroll
-    for (int b = 0; b < S::NB; ++b) {
-      t.k_scale[n][b] = load_scale(lp.ks, (tile + 8 * n) * S::NB + b, lp.bf16);
-      t.v_scale[n][b] = load_scale(lp.vs, (tile + 8 * n) * S::NB + b, lp.bf16);
-    }
-  }
+  for (int n = 0; n < 2; ++n) load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
+  load_scales<S, false>(lp, {tile, tile + 8}, t);
 #pragma unroll
   for (int j = 0; j < 4; ++j) load_slice<typename S::V>(v + ((j & 1) + 8 * (j >> 1)) * VR, lp.v_high, t.vw[j]);
 }
@@ -551,16 +610,13 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
 template <class S>
 __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int tile, int capacity, int g, int c,
                                                   TileData<S>& t) {
+  int slots[2];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    const int slot = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
-    load_slice<typename S::K>(lp.k + (size_t)slot * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
-#pragma unroll
-    for (int b = 0; b < S::NB; ++b) {
-      t.k_scale[n][b] = load_scale(lp.ks, slot * S::NB + b, lp.bf16);
-      t.v_scale[n][b] = load_scale(lp.vs, slot * S::NB + b, lp.bf16);
-    }
+    slots[n] = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
+    load_slice<typename S::K>(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
   }
+  load_scales<S, true>(lp, slots, t);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int slot = min(tile + 2 * c + (j & 1) + 8 * (j >> 1), capacity - 1) - 2 * c;
@@ -1392,12 +1448,16 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
   const int warp_block = slice * S::NB / S::SLICES;
   const int k_first = kc * S::K::LANE_BYTES, v_first = vg * S::V::LANE_BYTES;
   const int k_shift = S::K::High::shift(k_first), v_shift = S::V::High::shift(v_first);
+  const bool bf16 = p.scale_bf16 != 0;
+  const uint8_t* const ks0 = static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * S::NB * scale_bytes;
+  const uint8_t* const vs0 = static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * S::NB * scale_bytes;
   const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + k_first,
                         p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + v_first,
-                        static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * S::NB * scale_bytes,
-                        static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * S::NB * scale_bytes,
+                        scale_word(ks0), scale_word(vs0),
                         S::K::High::offset(k_first) - k_first, S::V::High::offset(v_first) - v_first,
-                        p.scale_bf16 != 0};
+                        S::NB * scale_bytes,
+                        static_cast<int>(scale_word(ks0 + scale_bytes) - scale_word(ks0)),
+                        {scale_selector(ks0, bf16), scale_selector(ks0 + scale_bytes, bf16)}};
   auto load = [&](int tile, TileData<S>& t) {
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
     else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
@@ -1492,11 +1552,15 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode
     for (int n = 0; n < 2; ++n) {
       bool bad = false;
 #pragma unroll
-      for (int b = 0; b < S::NB; ++b) bad = bad || isnan(cur.v_scale[n][b]);
+      for (int b = 0; b < S::NB; ++b) {
+        k_scale[n][b] = scale_value(cur.k_scale[n][b], lp.sel[b]);
+        v_scale[n][b] = scale_value(cur.v_scale[n][b], lp.sel[b]);
+        bad = bad || isnan(v_scale[n][b]);
+      }
 #pragma unroll
       for (int b = 0; b < S::NB; ++b) {
-        k_scale[n][b] = bad ? NAN : cur.k_scale[n][b];
-        v_scale[n][b] = bad ? 0.f : cur.v_scale[n][b];
+        if (bad) k_scale[n][b] = NAN;
+        if (bad) v_scale[n][b] = 0.f;
       }
     }
     // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains (with two norm blocks
