@@ -86,7 +86,7 @@ struct Planes {
 };
 
 // Byte -> fp16 centroid table of a BITS-bit side, one column per lane: entry (byte, lane) is ENTRY_WORDS words at
-// word (byte * 32 + lane) * ENTRY_WORDS, for all 256 bytes.  An entry holds the centroids of every code in the
+// word (byte * 32 + lane) * ENTRY_WORDS, for bytes below ROWS.  An entry holds the centroids of every code in the
 // byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
