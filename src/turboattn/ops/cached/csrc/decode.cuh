@@ -573,9 +573,9 @@ __device__ __forceinline__ void load_scales(const LanePointers& lp, const int (&
     if constexpr (CLAMPED) {
       const int bytes = lp.scale_row / S::NB;
       const bool bf16 = bytes == 2;
+      const int odd = lp.sel[0] == 0x3244u ? 2 : 0;  // the lane's words are 2 bytes below its scales when odd
 #pragma unroll
-      for (int b = 0; b < S::NB; ++b) {  // the scales' own addresses: the lane's words are 2 bytes below when odd
-        const int odd = lp.sel[0] == 0x3244u ? 2 : 0;
+      for (int b = 0; b < S::NB; ++b) {  // the scales' own addresses
         const uint8_t* k_at = ks + odd + b * bytes;
         const uint8_t* v_at = vs + odd + b * bytes;
         const uint32_t kf = __float_as_uint(scale_value(load_scale_word(scale_word(k_at)), scale_selector(k_at, bf16)));
