@@ -324,6 +324,17 @@ struct ValueCodes {
 
   __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
                                                    const uint32_t (&w)[4][WORDS], int t, int high_shift) {
+    if constexpr (BITS == 4 && !BLOCKED) {
+      // Byte t % 4 of a key's word t / 4 holds dims d, d + D/2 (low, high nibble).  The low nibbles of keys 2c and
+      // 2c + 1 merged into one byte (one lop3, shared by the word's four tiles) look up the register of row g
+      // directly, and their high nibbles row g + 8's: no byte-permutes of the looked-up halves (2% faster at D = 128
+      // and 256, H100).
+      const int i = t % 4, word = t / 4;
+      return make_uint4(Table::lookup(table, lane_offset, select_low_nibbles(w[0][word], w[1][word] << 4), i),
+                        Table::lookup(table, lane_offset, select_low_nibbles(w[0][word] >> 4, w[1][word]), i),
+                        Table::lookup(table, lane_offset, select_low_nibbles(w[2][word], w[3][word] << 4), i),
+                        Table::lookup(table, lane_offset, select_low_nibbles(w[2][word] >> 4, w[3][word]), i));
+    }
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
     if constexpr (BLOCKED) {
       const int b = t % 2, i = (2 * (t / 2)) % 4, word = t / 4;
@@ -339,9 +350,6 @@ struct ValueCodes {
           x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
         }
       }
-    } else if constexpr (BITS == 4) {  // byte t: dims j, j + D/2
-#pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = Table::lookup(table, lane_offset, w[j][t / 4], t % 4);
     } else if constexpr (BITS == 8) {  // bytes 2t, 2t + 1
 #pragma unroll
       for (int j = 0; j < 4; ++j)
