@@ -402,6 +402,8 @@ struct Shape {
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
   static constexpr bool Q_IN_SMEM = K_STEPS >= 16;  // q fragments: registers would crowd out the accumulators
+  // One shared copy of the q fragments serves every warp only when the warps share their dims (not sliced).
+  static_assert(!(Q_IN_SMEM && SLICED), "sliced warps hold different q fragments");
   // Dynamic shared memory: the K table, then the V table unless both sides share one codebook.  After the main
   // loop the same space holds the warps' outputs (not when sliced: a warp owns its dims), the merge's weights
   // (MAX_ROWS x MAX_PARTS) or the exact part's scratch (less than either), so it is at least SCRATCH_WORDS.
