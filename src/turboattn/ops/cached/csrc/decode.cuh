@@ -555,12 +555,16 @@ struct LanePointers {
                        // scale tensors are 4-byte aligned, cuda.py)
 };
 
+// The byte permutations that make a scale's word its float: float32, the word itself; bfloat16, the word's low or
+// high half moved up.
+constexpr uint32_t SCALE_F32 = 0x3210u, SCALE_BF16_LOW = 0x1044u, SCALE_BF16_HIGH = 0x3244u;
+
 // A scale at byte `addr`: the aligned word that holds it, and the byte permutation that makes it a float.
 __device__ __forceinline__ const uint8_t* scale_word(const uint8_t* addr) {
   return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(addr) & ~static_cast<uintptr_t>(3));
 }
 __device__ __forceinline__ uint32_t scale_selector(const uint8_t* addr, bool bf16) {
-  return !bf16 ? 0x3210u : ((reinterpret_cast<uintptr_t>(addr) & 2) ? 0x3244u : 0x1044u);
+  return !bf16 ? SCALE_F32 : ((reinterpret_cast<uintptr_t>(addr) & 2) ? SCALE_BF16_HIGH : SCALE_BF16_LOW);
 }
 __device__ __forceinline__ uint32_t load_scale_word(const uint8_t* word) {
   return __ldcs(reinterpret_cast<const unsigned int*>(word));
@@ -583,14 +587,15 @@ __device__ __forceinline__ void load_scales(const LanePointers& lp, const int (&
     if constexpr (CLAMPED) {
       const int bytes = lp.scale_row / S::NB;
       const bool bf16 = bytes == 2;
-      const int odd = lp.sel[0] == 0x3244u ? 2 : 0;  // the lane's words are 2 bytes below its scales when odd
+      const int odd = lp.sel[0] == SCALE_BF16_HIGH ? 2 : 0;  // the lane's words are 2 bytes below its scales when odd
 #pragma unroll
       for (int b = 0; b < S::NB; ++b) {  // the scales' own addresses
         const uint8_t* k_at = ks + odd + b * bytes;
         const uint8_t* v_at = vs + odd + b * bytes;
         const uint32_t kf = __float_as_uint(scale_value(load_scale_word(scale_word(k_at)), scale_selector(k_at, bf16)));
         const uint32_t vf = __float_as_uint(scale_value(load_scale_word(scale_word(v_at)), scale_selector(v_at, bf16)));
-        const bool low_half = lp.sel[b] == 0x1044u;  // the permutation moves the low half up: put the value there
+        // The permutation moves the low half up: put the value there.
+        const bool low_half = lp.sel[b] == SCALE_BF16_LOW;
         t.k_scale[n][b] = low_half ? kf >> 16 : kf;
         t.v_scale[n][b] = low_half ? vf >> 16 : vf;
       }
