@@ -181,7 +181,7 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
     96 rows for 3, 2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static
     arrays and 1 KB reserved.  D = 512 splits each row's dims over the 4 warps ("sliced"): no per-warp outputs to
     combine, q fragments in registers, 4 KB of partial scores.  Registers: 4 CTAs (128 per thread) for equal widths
-    of at most 4 bits at D <= 128 and D = 512 (a warp's share of a row is then D = 128's), 3 for other pairs, 2 at
+    of at most 4 bits at D <= 128 and D = 512 (there k4v4 spills 124 bytes: decode.cuh), 3 for other pairs, 2 at
     D = 256 (BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256

@@ -988,9 +988,10 @@ constexpr int ctas_per_sm() {
   constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
                                (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
-  // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255.  4-bit and 2-bit codes fit
-  // 128 without spilling at D <= 128 and sliced D = 512 (a warp's share is D = 128's), other pairs need 3 CTAs'
-  // worth, D = 256 needs 2.
+  // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255.  Equal widths of at most 4
+  // bits take 4 (2-bit codes' 64 KB table allows 3 anyway): k4v4 fits 128 without spilling at D <= 128; sliced
+  // D = 512 k4v4 spills 124 bytes there, 8 spill instructions in the main loop (nvcc 13.0; BENCHMARKS.md).
+  // Other pairs take 3, D = 256 takes 2.
   constexpr int by_regs = D == 256 ? 2 : (KB == VB && KB <= 4 ? 4 : 3);
   return by_smem < by_regs ? by_smem : by_regs;
 }
