@@ -74,11 +74,13 @@ def test_short_splits_use_half_a_wave_at_wide_heads(resident, bkv, d, tokens):
 
 
 @settings(max_examples=300, deadline=None)
-@given(RESIDENT, BATCH_KV_HEADS, TOKENS)
-def test_head_dim_64_keeps_the_full_wave(resident, bkv, tokens):
-    """No half wave at D = 64: at least the full wave's splits (more only where that wave is underfilled)."""
-    full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, CUDA_MAX_SPLITS_D64))
-    splits = cuda_num_splits(resident, bkv, 64, tokens)
+@given(RESIDENT, BATCH_KV_HEADS, st.sampled_from([64, 512]), TOKENS)
+def test_head_dims_64_and_512_keep_the_full_wave(resident, bkv, d, tokens):
+    """No half wave at D = 64 and D = 512: at least the full wave's splits (more only where that wave is
+    underfilled)."""
+    cap = CUDA_MAX_SPLITS_D64 if d == 64 else CUDA_MAX_SPLITS
+    full = max(1, min(resident // bkv, tokens // CUDA_MIN_KEYS_PER_SPLIT, cap))
+    splits = cuda_num_splits(resident, bkv, d, tokens)
     assert splits >= cuda_filled_splits(full, tokens)
     assert splits == cuda_filled_splits(full, tokens) or wave_fill(full * bkv, resident) < CUDA_MIN_WAVE_FILL
 
@@ -95,6 +97,10 @@ def test_split_rule_at_the_measured_shapes():
     assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
     assert cuda_num_splits(264, 64, 256, 8192) == 4
     assert cuda_num_splits(528, 2, 512, 32768) == 128     # D=512, one sequence x 2 KV heads: the cap
+    # D = 512 on 3 CTAs x 132 SMs keeps the full wave: the cap at B=1 (half a wave would be 86), 64 at B=2, 16 at B=8.
+    assert cuda_num_splits(396, 2, 512, 32768) == 128
+    assert cuda_num_splits(396, 4, 512, 16384) == 64
+    assert cuda_num_splits(396, 16, 512, 4096) == 16
     # An underfilled wave: 32 x 8 KV heads on 3 CTAs x 132 SMs (k4v3) take three splits in two waves (one split:
     # 65% of one wave); on 4 CTAs (k4v4) two splits fill one wave.
     assert cuda_num_splits(396, 256, 128, 8192) == 3

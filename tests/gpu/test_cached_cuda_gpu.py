@@ -6,6 +6,8 @@ backend="auto" picks it on CUDA tensors; backend="triton" forces the portable ke
 second reference.  Same tolerance as the Triton kernel (test_kernels_gpu.py): fp16 operands and bf16 output.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -147,16 +149,15 @@ def test_cuda_merge_of_many_parts(d, case, options):
 
 
 def test_planned_residency_matches_the_launch_bound():
-    """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound),
-    and config.CUDA_BIT_PAIRS the pairs csrc/decode.h builds (ctas_per_sm is -1 for the others)."""
+    """config.cuda_ctas_per_sm (which plans the splits) restates csrc/decode.cuh's ctas_per_sm (the launch bound)
+    of both builds (with and without exact rows), and config.CUDA_BIT_PAIRS the pairs csrc/decode.h builds
+    (ctas_per_sm is -1 for the others)."""
     ext = extension()
-    for d in CUDA_HEAD_DIMS:
-        for kb in SUPPORTED_BITS:
-            for vb in SUPPORTED_BITS:
-                built = ext.ctas_per_sm(d, kb, vb)
-                assert (built != -1) == ((kb, vb) in CUDA_BIT_PAIRS), (d, kb, vb)
-                if built != -1:
-                    assert cuda_ctas_per_sm(d, kb, vb) == built, (d, kb, vb)
+    for d, kb, vb, exact in itertools.product(CUDA_HEAD_DIMS, SUPPORTED_BITS, SUPPORTED_BITS, (False, True)):
+        built = ext.ctas_per_sm(d, kb, vb, exact)
+        assert (built != -1) == ((kb, vb) in CUDA_BIT_PAIRS), (d, kb, vb, exact)
+        if built != -1:
+            assert cuda_ctas_per_sm(d, kb, vb, exact) == built, (d, kb, vb, exact)
     assert ext.COUNTERS_PER_HEAD == CUDA_COUNTERS_PER_HEAD
 
 

@@ -90,9 +90,10 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
     loads stay in flight across a thread's outputs 128 splits beat 64 where few (sequence, KV head) pairs would
     leave SMs idle: H100, k4v4, one sequence x 1 KV head at L=32K, D = 128: 16.2 against 20.5 us; 2 KV heads 18.4
     against 21.0; D = 256 x 1 head 21.1 against 23.3; D = 512 x 2 heads 54.2 against 61.5), and half a wave where a
-    full one would cut splits shorter than CUDA_SHORT_SPLIT keys at D >= 128 (one sequence x 8 heads at L=32K:
-    28.2 us at 32 splits, 30.7 at 64; 2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads at
-    16K: 23.5 us at 22, 26.6 at 11).
+    full one would cut splits shorter than CUDA_SHORT_SPLIT keys at D = 128 and 256 (one sequence x 8 heads at
+    L=32K: 28.2 us at 32 splits, 30.7 at 64; 2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads
+    at 16K: 23.5 us at 22, 26.6 at 11), and so does D = 512 (3 CTAs per SM, one sequence x 2 heads at 32K: k3v3
+    41.7 us at 128 splits, 48.2 at half a wave's 86; k4v4 46.1 at 128, 49.3 at 64).
     """
     most = min(CUDA_MAX_SPLITS_D64 if head_dim <= 64 else CUDA_MAX_SPLITS, max_tokens // CUDA_MIN_KEYS_PER_SPLIT)
     splits = max(1, min(resident // batch_kv_heads, most))
@@ -103,7 +104,7 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
         most_in_waves = min(most, max_waves * resident // batch_kv_heads)
         splits = max(range(splits, max(splits, most_in_waves) + 1),
                      key=lambda s: (wave_fill(s * batch_kv_heads, resident), -s))
-    if head_dim >= 128 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
+    if 128 <= head_dim <= 256 and splits * batch_kv_heads > resident // 2 and max_tokens < splits * CUDA_SHORT_SPLIT:
         splits = max(1, min(splits, resident // 2 // batch_kv_heads))
     return cuda_filled_splits(splits, max_tokens)
 
@@ -174,15 +175,15 @@ def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int)
 
 
 @lru_cache(maxsize=None)
-def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
-    """CTAs per SM the CUDA kernel of this shape is built for: ctas_per_sm in csrc/decode.cuh, which is the
-    truth (its launch bound); a GPU test checks that the two agree.  Shared memory, out of 228 KB: the byte -> fp16
-    tables (one per distinct bit width, 32 lanes' columns of 4-byte entries: 256 rows, 8-byte entries for 2 bits,
-    96 rows for 3, 2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static
-    arrays and 1 KB reserved.  D = 512 splits each row's dims over the 4 warps ("sliced"): no per-warp outputs to
-    combine, q fragments in registers, 4 KB of partial scores.  Registers: 4 CTAs (128 per thread) for equal widths
-    of at most 4 bits at D <= 128 and D = 512 (there k4v4 spills 124 bytes: decode.cuh), 3 for other pairs, 2 at
-    D = 256 (BENCHMARKS.md)."""
+def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int, exact: bool = False) -> int:
+    """CTAs per SM the CUDA kernel of this shape is built for (exact: the build for caches with exact rows): ctas_per_sm
+    in csrc/decode.cuh, which is the truth (its launch bound); a GPU test checks that the two agree.  Shared memory,
+    out of 228 KB: the byte -> fp16 tables (one per distinct bit width, 32 lanes' columns of 4-byte entries: 256
+    rows, 8-byte entries for 2 bits, 96 rows for 3, 2^bits for 5 and 6), at least the 32 KB the same space holds
+    after the main loop, the static arrays and 1 KB reserved.  D = 512 splits each row's dims over the 4 warps
+    ("sliced"): no per-warp outputs to combine, q fragments in registers, 4 KB of partial scores.  Registers: 4 CTAs
+    (128 per thread) for equal widths of at most 4 bits at D <= 128 and for every pair of the exact-row build at
+    D = 64, 3 for other pairs and at D = 512, 2 at D = 256 (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * 32 * (8 if bits == 2 else 4)
@@ -192,7 +193,12 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int) -> int:
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if head_dim == 256 else 0) + 2048
               + (2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
     by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
-    by_regs = 2 if head_dim == 256 else (4 if k_bits == v_bits and k_bits <= 4 else 3)
+    if head_dim == 256:
+        by_regs = 2
+    elif head_dim == 512:
+        by_regs = 3
+    else:
+        by_regs = 4 if (k_bits == v_bits and k_bits <= 4) or (exact and head_dim == 64) else 3
     return min(by_smem, by_regs)
 
 
@@ -259,7 +265,7 @@ def plan_decode(device: torch.device, head_dim: int, k_bits: int, v_bits: int, b
     block_n, num_warps, num_stages = _tile(head_dim)
     exact_parts = None
     if num_splits is None and kernel == "cuda" and cuda_kernel_serves(head_dim, k_bits, v_bits, query_rows):
-        resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits)) * sm_count(device)
+        resident = (programs_per_sm or cuda_ctas_per_sm(head_dim, k_bits, v_bits, exact_rows > 0)) * sm_count(device)
         num_splits = cuda_num_splits(resident, batch_kv_heads, head_dim, max_tokens)
         if exact_rows:
             # The splits leave room for one exact CTA per (sequence, KV head) (cuda_exact_splits), as the tail rule

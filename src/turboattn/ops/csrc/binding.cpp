@@ -138,11 +138,11 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   return output;
 }
 
-int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits) {
-  if (head_dim == 64) return ctas_per_sm_d64(k_bits, v_bits);
-  if (head_dim == 128) return ctas_per_sm_d128(k_bits, v_bits);
-  if (head_dim == 256) return ctas_per_sm_d256(k_bits, v_bits);
-  if (head_dim == 512) return ctas_per_sm_d512(k_bits, v_bits);
+int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits, bool exact) {
+  if (head_dim == 64) return ctas_per_sm_d64(k_bits, v_bits, exact);
+  if (head_dim == 128) return ctas_per_sm_d128(k_bits, v_bits, exact);
+  if (head_dim == 256) return ctas_per_sm_d256(k_bits, v_bits, exact);
+  if (head_dim == 512) return ctas_per_sm_d512(k_bits, v_bits, exact);
   return -1;
 }
 
@@ -233,5 +233,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes, scales and exact "
         "rows, advancing its lengths; D = 64 / 128 / 256 / 512, every bit width");
   m.attr("COUNTERS_PER_HEAD") = turboattn::COUNTERS_PER_HEAD;
-  m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits) is built for; -1: none");
+  m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits, exact rows) is built "
+        "for; -1: none");
 }

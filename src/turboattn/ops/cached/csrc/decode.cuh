@@ -979,7 +979,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 // CTAs per SM that the kernel's registers and shared memory allow (the launch bound; ops/cached/config.py plans
 // splits with the same numbers, and a GPU test compares them).  Measured: 4 at D <= 128 and 2 at D = 256 for
 // 4-bit codes (BENCHMARKS.md); wider codes need more prefetch registers, two tables more shared memory.
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, bool EXACT>
 constexpr int ctas_per_sm() {
   // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, the merge's small weights,
   // statistics; an upper bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
@@ -988,11 +988,14 @@ constexpr int ctas_per_sm() {
   constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
                                (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
-  // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255.  Equal widths of at most 4
-  // bits take 4 (2-bit codes' 64 KB table allows 3 anyway): k4v4 fits 128 without spilling at D <= 128; sliced
-  // D = 512 k4v4 spills 124 bytes there, 8 spill instructions in the main loop (nvcc 13.0; BENCHMARKS.md).
-  // Other pairs take 3, D = 256 takes 2.
-  constexpr int by_regs = D == 256 ? 2 : (KB == VB && KB <= 4 ? 4 : 3);
+  // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
+  // timings in BENCHMARKS.md).  At D <= 128 equal widths of at most 4 bits take 4 (2-bit codes' 64 KB table allows
+  // 3 anyway): k4v4 fits 128 without spilling.  At D = 64 the kernels for caches with exact rows take 4 for every
+  // pair (no main loop spills at 128): the room lets the exact CTAs share the splits' wave (default preset, B=8:
+  // 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4 than at 3.  Sliced D = 512
+  // takes 3: at 4 its k4v4 spilled 124 bytes in the main loop, at 3 it runs 14-19% faster.  Other pairs take 3,
+  // D = 256 2.
+  constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3 : (KB == VB && KB <= 4) || (EXACT && D == 64) ? 4 : 3;
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
@@ -1392,7 +1395,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
 // EXACT: built for caches with exact rows (more CTAs attend them); a separate build keeps that code out of the
 // other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
 template <int D, int KB, int VB, bool EXACT>
-__global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB>())) decode(const DecodeParams p) {
+__global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>())) decode(const DecodeParams p) {
   using S = Shape<D, KB, VB>;
   // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
   // warps' row statistics.
@@ -1832,9 +1835,9 @@ int launch_decode_for(const DecodeParams& params, int k_bits, int v_bits, int ba
   return -1;
 }
 
-template <int D>
+template <int D, bool EXACT>
 int ctas_per_sm_for(int k_bits, int v_bits) {
-#define TURBOATTN_CTAS(KB, VB) if (k_bits == KB && v_bits == VB) return ctas_per_sm<D, KB, VB>();
+#define TURBOATTN_CTAS(KB, VB) if (k_bits == KB && v_bits == VB) return ctas_per_sm<D, KB, VB, EXACT>();
   TURBOATTN_BIT_PAIRS(TURBOATTN_CTAS)
 #undef TURBOATTN_CTAS
   return -1;

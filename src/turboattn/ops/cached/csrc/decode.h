@@ -81,8 +81,9 @@ int launch_decode_d256_exact(const turboattn::DecodeParams& params, int k_bits, 
                              void* stream);
 int launch_decode_d512_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                              void* stream);
-// CTAs per SM the kernel of that shape is built for (its launch bound), or -1.
-int ctas_per_sm_d64(int k_bits, int v_bits);
-int ctas_per_sm_d128(int k_bits, int v_bits);
-int ctas_per_sm_d256(int k_bits, int v_bits);
-int ctas_per_sm_d512(int k_bits, int v_bits);
+// CTAs per SM the kernel of that shape (exact: the build for caches with exact rows) is built for (its launch
+// bound), or -1.
+int ctas_per_sm_d64(int k_bits, int v_bits, bool exact);
+int ctas_per_sm_d128(int k_bits, int v_bits, bool exact);
+int ctas_per_sm_d256(int k_bits, int v_bits, bool exact);
+int ctas_per_sm_d512(int k_bits, int v_bits, bool exact);
