@@ -1835,9 +1835,11 @@ int launch_decode_for(const DecodeParams& params, int k_bits, int v_bits, int ba
   return -1;
 }
 
-template <int D, bool EXACT>
-int ctas_per_sm_for(int k_bits, int v_bits) {
-#define TURBOATTN_CTAS(KB, VB) if (k_bits == KB && v_bits == VB) return ctas_per_sm<D, KB, VB, EXACT>();
+// ctas_per_sm of decode<D, k_bits, v_bits, exact> for the run-time pair and build: -1 for pairs not built.
+template <int D>
+int ctas_per_sm_for(int k_bits, int v_bits, bool exact) {
+#define TURBOATTN_CTAS(KB, VB) \
+  if (k_bits == KB && v_bits == VB) return exact ? ctas_per_sm<D, KB, VB, true>() : ctas_per_sm<D, KB, VB, false>();
   TURBOATTN_BIT_PAIRS(TURBOATTN_CTAS)
 #undef TURBOATTN_CTAS
   return -1;

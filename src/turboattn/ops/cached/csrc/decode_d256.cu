@@ -9,6 +9,5 @@ int launch_decode_d256(const turboattn::DecodeParams& params, int k_bits, int v_
 }
 
 int ctas_per_sm_d256(int k_bits, int v_bits, bool exact) {
-  return exact ? turboattn::ctas_per_sm_for<256, true>(k_bits, v_bits)
-               : turboattn::ctas_per_sm_for<256, false>(k_bits, v_bits);
+  return turboattn::ctas_per_sm_for<256>(k_bits, v_bits, exact);
 }

@@ -9,6 +9,5 @@ int launch_decode_d64(const turboattn::DecodeParams& params, int k_bits, int v_b
 }
 
 int ctas_per_sm_d64(int k_bits, int v_bits, bool exact) {
-  return exact ? turboattn::ctas_per_sm_for<64, true>(k_bits, v_bits)
-               : turboattn::ctas_per_sm_for<64, false>(k_bits, v_bits);
+  return turboattn::ctas_per_sm_for<64>(k_bits, v_bits, exact);
 }
