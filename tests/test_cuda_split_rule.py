@@ -1,6 +1,5 @@
-"""The CUDA decode kernel's split and merge rules (ops/cached/config.cuda_num_splits, cuda_exact_parts,
-cuda_exact_ctas, cuda_exact_splits, cuda_merge_group): the properties their
-docstrings state,
+"""The CUDA decode kernel's residency, split and merge rules (ops/cached/config.cuda_ctas_per_sm, cuda_num_splits,
+cuda_exact_parts, cuda_exact_ctas, cuda_exact_splits, cuda_merge_group): the properties their docstrings state,
 over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
 BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 
@@ -11,8 +10,8 @@ from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEA
                                          CUDA_EXACT_SPREAD_WAVES, CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS,
                                          CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64, CUDA_MAX_WAVES, CUDA_MIN_KEYS_PER_SPLIT,
                                          CUDA_MIN_WAVE_FILL, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
-                                         cuda_exact_ctas, cuda_exact_parts, cuda_exact_splits, cuda_filled_splits,
-                                         cuda_merge_group, cuda_num_splits, wave_fill)
+                                         cuda_ctas_per_sm, cuda_exact_ctas, cuda_exact_parts, cuda_exact_splits,
+                                         cuda_filled_splits, cuda_merge_group, cuda_num_splits, wave_fill)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -83,6 +82,19 @@ def test_head_dims_64_and_512_keep_the_full_wave(resident, bkv, d, tokens):
     splits = cuda_num_splits(resident, bkv, d, tokens)
     assert splits >= cuda_filled_splits(full, tokens)
     assert splits == cuda_filled_splits(full, tokens) or wave_fill(full * bkv, resident) < CUDA_MIN_WAVE_FILL
+
+
+def test_residency_at_the_measured_pairs():
+    """CTAs per SM of the timed kernels (BENCHMARKS.md, H100; a GPU test checks that the launch bounds agree)."""
+    # A 2-bit table beside a second one is compact (16 columns, 32 KB), which makes room for a third CTA at
+    # D <= 128 and a second at D = 512 (those pairs were 5-15% faster); k2v2's own table stays 64 KB.
+    for kb, vb in [(4, 2), (2, 4), (8, 2), (2, 8)]:
+        assert [cuda_ctas_per_sm(d, kb, vb) for d in (64, 128, 256, 512)] == [3, 3, 2, 2], (kb, vb)
+    assert [cuda_ctas_per_sm(d, 2, 2) for d in (64, 128, 256, 512)] == [3, 3, 2, 2]
+    # k3v3 at D = 128 on 3 CTAs (168 registers, no spill) ran 4-6% faster than on 4 (56 bytes spilled).
+    assert [cuda_ctas_per_sm(d, 3, 3) for d in (64, 128, 256, 512)] == [4, 3, 2, 3]
+    assert [cuda_ctas_per_sm(d, 4, 4) for d in (64, 128, 256, 512)] == [4, 4, 2, 3]
+    assert [cuda_ctas_per_sm(64, kb, vb, exact=True) for kb, vb in [(4, 3), (5, 3), (8, 8), (2, 2)]] == [4, 4, 4, 3]
 
 
 def test_split_rule_at_the_measured_shapes():

@@ -16,10 +16,10 @@
 //     rows g and g + 8 of a 16-dim tile; a lane takes an eighth of those keys' code bytes (bytes g ...), and
 //     byte-permutes pair two keys' centroids per register.  ValueCodes<BITS>::dim says which dims tile t holds;
 //     output dims are un-permuted on store.
-// Centroids come from byte -> fp16 tables in shared memory (CodeTable), one copy per lane (no bank conflicts); a
-// lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit planes); codes
-// of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: one select per word and
-// half, plus its shifts).
+// Centroids come from byte -> fp16 tables in shared memory (CodeTable), a copy per lane or per lane pair (no bank
+// conflicts); a lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit
+// planes); codes of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: one select per
+// word and half, plus its shifts).
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
@@ -85,9 +85,14 @@ struct Planes {
   static constexpr int HIGH = BITS - LOW;  // 0: one plane
 };
 
-// Byte -> fp16 centroid table of a BITS-bit side, one column per lane: entry (byte, lane) is ENTRY_WORDS words at
-// word (byte * 32 + lane) * ENTRY_WORDS, for bytes below ROWS.  An entry holds the centroids of every code in the
-// byte, in the order of the planar packing (the low bits' code first):
+// Byte -> fp16 centroid table of a BITS-bit side, COLUMNS copies side by side so that a warp's lookups do not
+// conflict: entry (byte, column) is ENTRY_WORDS words at word (byte * COLUMNS + column) * ENTRY_WORDS, for bytes
+// below ROWS, and lane l reads column l % COLUMNS.  One column per lane (32), except COMPACT 2-bit tables: an 8-byte
+// lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
+// to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 5-13%
+// faster at D <= 128, H100); k2v2's one table keeps 32 columns, with which it measured 11% faster at D = 128 at equal
+// residency (why was not traced).  An entry holds the centroids of every code in the byte, in the order of the
+// planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
 //   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
@@ -96,22 +101,26 @@ struct Planes {
 //   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code.
 // merge_planes takes whole nibbles of the high plane (a select), other dims' bits included, and the lookup's mask,
 // which it applies anyway, drops them: three instructions per lookup where masking each code's bits took four.
-template <int BITS>
+template <int BITS, bool COMPACT = false>
 struct CodeTable {
   static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
   static constexpr int ROWS = BITS == 3 ? 0x60 : (BITS == 5 || BITS == 6 ? 1 << BITS : 256);
   // The byte bits that choose the entry: merge_planes leaves other dims' high bits in the rest (3 bits: bits 5 and
   // 7; 5 and 6 bits: those above the code), and the lookup's mask drops them.
   static constexpr uint32_t ROW_MASK = BITS == 3 ? 0x5F : (BITS == 5 || BITS == 6 ? (1 << BITS) - 1 : 0xFF);
-  static constexpr int WORDS = ROWS * 32 * ENTRY_WORDS;
-  static constexpr int SHIFT = BITS == 2 ? 8 : 7;  // log2 of an entry row's bytes (32 lanes x entry)
+  static constexpr int COLUMNS = COMPACT ? 32 / ENTRY_WORDS : 32;
+  static constexpr int WORDS = ROWS * COLUMNS * ENTRY_WORDS;
+  static constexpr int SHIFT = COLUMNS * ENTRY_WORDS == 64 ? 8 : 7;  // log2 of an entry row's bytes
+  static_assert(COLUMNS * ENTRY_WORDS * 4 == 1 << SHIFT, "an entry row is 128 or 256 bytes");
+  // The byte offset of this lane's column in an entry row.
+  __device__ __forceinline__ static uint32_t lane_offset(int lane) { return (lane % COLUMNS) * 4 * ENTRY_WORDS; }
 
   // Fills the table from the codebook's constants (codebooks.h); the whole CTA, no barrier at the end.  Store
-  // k of thread t writes 16 bytes of entry row byte = t / SPB + k 128 / SPB (SPB stores per row: 32 lanes'
-  // columns hold the same entry, four or two of them per store), so a row's stores are consecutive (no bank
+  // k of thread t writes 16 bytes of entry row byte = t / SPB + k 128 / SPB (SPB stores per row: its columns
+  // hold the same entry, four or two of them per store), so a row's stores are consecutive (no bank
   // conflicts) and each field of `byte` is either thread-constant (u = t / SPB) or store-constant (k): the
   // centroids come from small select trees over immediates, and the build waits on no load.
-  static constexpr int SPB = 32 * ENTRY_WORDS / 4;
+  static constexpr int SPB = COLUMNS * ENTRY_WORDS / 4;
   static constexpr int STORES = ROWS * SPB / (WARPS * 32);
   static_assert(ROWS * SPB % (WARPS * 32) == 0, "the table's stores spread evenly over the threads");
 
@@ -138,6 +147,10 @@ struct CodeTable {
     } else if constexpr (BITS == 3) {   // a = (byte & 3) | bit 4 of byte << 2, b = (byte >> 2 & 3) | bit 6 << 2
       const uint32_t e = pick<(K & 1) * 4, 4>(u & 3) | (pick<((K >> 2) & 1) * 4, 4>((u >> 2) & 3) << 16);
       entries = make_uint4(e, e, e, e);
+    } else if constexpr (SPB == 8) {   // 2 bits, compact: byte = u + 16 k, fields 0 and 1 are u's, 2 and 3 k's
+      const uint32_t e0 = pick<0, 4>(u & 3) | (pick<0, 4>(u >> 2) << 16);
+      const uint32_t e1 = fixed<K & 3>() | (fixed<(K >> 2)>() << 16);
+      entries = make_uint4(e0, e1, e0, e1);
     } else {   // 2 bits, byte = u + 8 k: fields byte & 3 = u & 3, bits 2-3 = (u >> 2) | (k & 1) << 1, then k's
       const uint32_t e0 = pick<0, 4>(u & 3) | (pick<(K & 1) * 2, 2>(u >> 2) << 16);
       const uint32_t e1 = fixed<(K >> 1) & 3>() | (fixed<(K >> 3)>() << 16);
@@ -225,7 +238,7 @@ struct HighPlane {
 // c' = s 4 + c) of each of its two keys, and as many bytes of the high plane.  fragment(w, kk) gives the key's two A
 // registers of k-step kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9); dim(c', kk, reg, h) is the dim that half h of
 // register reg holds.
-template <int BITS, int D, int SLICES = 1>
+template <int BITS, int D, int SLICES = 1, class TABLE = CodeTable<BITS>>
 struct KeyCodes {
   using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
@@ -233,7 +246,7 @@ struct KeyCodes {
   static constexpr int LOW_WORDS = LANE_BYTES / 4;
   static constexpr int WORDS = LOW_WORDS * (P::HIGH ? 2 : 1);  // low-plane words, then high-plane words
   static constexpr bool BLOCKED = D > 256 && P::LOW != 8;
-  using Table = CodeTable<BITS>;
+  using Table = TABLE;
   using High = HighPlane<BITS, D>;
 
   __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset,
@@ -308,7 +321,7 @@ struct KeyCodes {
 // g' LANE_BYTES, g' = s 8 + g) of each of its four keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3), and as many of the high
 // plane.  fragment(w, t) gives the A registers of dim tile t (rows g and g + 8, keys 2c, 2c+1 then 2c+8, 2c+9);
 // dim(g', t, h) is the dim of row g + 8h of tile t.
-template <int BITS, int D, int SLICES = 1>
+template <int BITS, int D, int SLICES = 1, class TABLE = CodeTable<BITS>>
 struct ValueCodes {
   using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
@@ -319,7 +332,7 @@ struct ValueCodes {
   // tiles 2m (block 0) and 2m + 1 (block 1) take rows g, g + 8 from bytes 2m, 2m + 1, low or high nibbles.
   static constexpr bool BLOCKED = D > 256 && P::LOW == 4;
   static constexpr bool TILE_BLOCKS = D > 256 && P::LOW != 8;  // tile t holds block t % 2; else the warp's block
-  using Table = CodeTable<BITS>;
+  using Table = TABLE;
   using High = HighPlane<BITS, D>;
 
   __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
@@ -397,8 +410,11 @@ struct Shape {
   static constexpr bool SLICED = SLICES > 1;
   static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
   static_assert(NB == 1 || SLICED, "two norm blocks are read by the sliced kernel");
-  using K = KeyCodes<KB, D, SLICES>;
-  using V = ValueCodes<VB, D, SLICES>;
+  // Two tables: a 2-bit one is compact (CodeTable).
+  using KTable = CodeTable<KB, KB != VB>;
+  using VTable = CodeTable<VB, KB != VB>;
+  using K = KeyCodes<KB, D, SLICES, KTable>;
+  using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
   static constexpr bool Q_IN_SMEM = K_STEPS >= 16;  // q fragments: registers would crowd out the accumulators
@@ -408,7 +424,7 @@ struct Shape {
   // loop the same space holds the warps' outputs (not when sliced: a warp owns its dims), the merge's weights
   // (MAX_ROWS x MAX_PARTS) or the exact part's scratch (less than either), so it is at least SCRATCH_WORDS.
   static constexpr bool SHARED_TABLE = KB == VB;
-  static constexpr int TABLE_WORDS = CodeTable<KB>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB>::WORDS);
+  static constexpr int TABLE_WORDS = KTable::WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
   static constexpr int WARP_OUT_WORDS = SLICED ? 0 : WARPS * MAX_ROWS * D;
   static constexpr int SCRATCH_WORDS = WARP_OUT_WORDS > MAX_ROWS * MAX_PARTS ? WARP_OUT_WORDS : MAX_ROWS * MAX_PARTS;
   static constexpr int DYNAMIC_WORDS = TABLE_WORDS > SCRATCH_WORDS ? TABLE_WORDS : SCRATCH_WORDS;
@@ -989,13 +1005,15 @@ constexpr int ctas_per_sm() {
                                (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
-  // timings in BENCHMARKS.md).  At D <= 128 equal widths of at most 4 bits take 4 (2-bit codes' 64 KB table allows
-  // 3 anyway): k4v4 fits 128 without spilling.  At D = 64 the kernels for caches with exact rows take 4 for every
+  // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal
+  // widths of at most 4 bits at D = 64 (k2v2's 64 KB table allows 3 anyway); k3v3 at D = 128 spilled 56 bytes at
+  // 4 and runs 4-6% faster at 3.  At D = 64 the kernels for caches with exact rows take 4 for every
   // pair (no main loop spills at 128): the room lets the exact CTAs share the splits' wave (default preset, B=8:
   // 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4 than at 3.  Sliced D = 512
   // takes 3: at 4 its k4v4 spilled 124 bytes in the main loop, at 3 it runs 14-19% faster.  Other pairs take 3,
   // D = 256 2.
-  constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3 : (KB == VB && KB <= 4) || (EXACT && D == 64) ? 4 : 3;
+  constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3
+                          : (KB == 4 && VB == 4) || (D == 64 && KB == VB && KB <= 4) || (EXACT && D == 64) ? 4 : 3;
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
@@ -1400,7 +1418,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
   // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
   // warps' row statistics.
   uint32_t* const k_table = code_tables;
-  uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : CodeTable<KB>::WORDS);
+  uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : S::KTable::WORDS);
   __shared__ __align__(16) float merge_small[SMALL_WORDS];  // the merge's weights, when they fit
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
@@ -1481,7 +1499,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
     else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
   };
-  const uint32_t k_lane = lane * 4 * CodeTable<KB>::ENTRY_WORDS, v_lane = lane * 4 * CodeTable<VB>::ENTRY_WORDS;
+  const uint32_t k_lane = S::KTable::lane_offset(lane), v_lane = S::VTable::lane_offset(lane);
   // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
   // the split's end, left padding and the window); a ring's tiles always take the masked path.
   int safe_lo = code_lo, safe_hi = min(min(hi, qpos_base + 1), code_hi);
@@ -1520,8 +1538,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
   TURBOATTN_STAMP(2);
   // The tables come from the codebooks' constants, so they are built while the loads are in flight (ptxas
   // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
-  CodeTable<KB>::build(k_table);
-  if constexpr (!S::SHARED_TABLE) CodeTable<VB>::build(v_table);
+  S::KTable::build(k_table);
+  if constexpr (!S::SHARED_TABLE) S::VTable::build(v_table);
   TURBOATTN_STAMP(9);
   if constexpr (FOLD) {
     for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
