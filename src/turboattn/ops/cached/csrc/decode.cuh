@@ -91,8 +91,8 @@ struct Planes {
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
 // to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 5-13%
 // faster at D <= 128, H100); k2v2's one table keeps 32 columns, with which it measured 11% faster at D = 128 at equal
-// residency (why was not traced).  An entry holds the centroids of every code in the byte, in the order of the
-// planar packing (the low bits' code first):
+// residency: nvcc 13.0 gives a compact lookup's offset two lop3s instead of one (no bank conflicts, ncu).  An entry
+// holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
 //   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
