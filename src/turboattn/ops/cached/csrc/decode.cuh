@@ -89,7 +89,7 @@ struct Planes {
 // conflict: entry (byte, column) is ENTRY_WORDS words at word (byte * COLUMNS + column) * ENTRY_WORDS, for bytes
 // below ROWS, and lane l reads column l % COLUMNS.  One column per lane (32), except COMPACT 2-bit tables: an 8-byte
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
-// to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 5-13%
+// to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 4-15%
 // faster at D <= 128, H100); k2v2's one table keeps 32 columns, with which it measured 11% faster at D = 128 at equal
 // residency: nvcc 13.0 gives a compact lookup's offset two lop3s instead of one (no bank conflicts, ncu).  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
