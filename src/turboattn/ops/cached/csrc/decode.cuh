@@ -238,7 +238,7 @@ struct HighPlane {
 // c' = s 4 + c) of each of its two keys, and as many bytes of the high plane.  fragment(w, kk) gives the key's two A
 // registers of k-step kk: (k-indices 2c, 2c+1) and (2c+8, 2c+9); dim(c', kk, reg, h) is the dim that half h of
 // register reg holds.
-template <int BITS, int D, int SLICES = 1, class TABLE = CodeTable<BITS>>
+template <int BITS, int D, int SLICES, class TABLE>  // TABLE: the side's CodeTable, chosen by Shape
 struct KeyCodes {
   using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
@@ -321,7 +321,7 @@ struct KeyCodes {
 // g' LANE_BYTES, g' = s 8 + g) of each of its four keys 2c, 2c+1, 2c+8, 2c+9 (j = 0..3), and as many of the high
 // plane.  fragment(w, t) gives the A registers of dim tile t (rows g and g + 8, keys 2c, 2c+1 then 2c+8, 2c+9);
 // dim(g', t, h) is the dim of row g + 8h of tile t.
-template <int BITS, int D, int SLICES = 1, class TABLE = CodeTable<BITS>>
+template <int BITS, int D, int SLICES, class TABLE>  // TABLE: the side's CodeTable, chosen by Shape
 struct ValueCodes {
   using P = Planes<BITS>;
   static constexpr int ROW_BYTES = D * BITS / 8;
