@@ -90,8 +90,9 @@ struct Planes {
 // below ROWS, and lane l reads column l % COLUMNS.  One column per lane (32), except COMPACT 2-bit tables: an 8-byte
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
 // to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 4-15%
-// faster at D <= 128, H100); k2v2's one table keeps 32 columns, with which it measured 11% faster at D = 128 at equal
-// residency: nvcc 13.0 gives a compact lookup's offset two lop3s instead of one (no bank conflicts, ncu).  An entry
+// faster at D <= 128, H100) and k2v2 at D = 64 (4 CTAs instead of 3: 7% faster).  k2v2's one table keeps 32 columns
+// at D >= 128: compact, it measured 3% slower at equal residency (the lookups' shifts) and no faster on one more
+// CTA (D = 128: 6% slower at B=8, 5% faster at B=32; D = 256: 4% slower).  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
@@ -112,8 +113,15 @@ struct CodeTable {
   static constexpr int WORDS = ROWS * COLUMNS * ENTRY_WORDS;
   static constexpr int SHIFT = COLUMNS * ENTRY_WORDS == 64 ? 8 : 7;  // log2 of an entry row's bytes
   static_assert(COLUMNS * ENTRY_WORDS * 4 == 1 << SHIFT, "an entry row is 128 or 256 bytes");
-  // The byte offset of this lane's column in an entry row.
-  __device__ __forceinline__ static uint32_t lane_offset(int lane) { return (lane % COLUMNS) * 4 * ENTRY_WORDS; }
+  // The byte offset of this lane's column in an entry row.  A compact column's index passes through a shuffle, once
+  // per kernel: ptxas then cannot see its mask (lane & 15) and keeps the offset in a register, so a lookup's offset
+  // is one lop3; when it sees the mask it re-applies it at every lookup (two lop3s: nvcc 13.0, sm_90).  The
+  // multiply stays outside, so that the offset is known to be a multiple of 8 and 8-byte lookups stay one load.
+  __device__ __forceinline__ static uint32_t lane_offset(int lane) {
+    if constexpr (COMPACT && COLUMNS < 32)
+      return static_cast<uint32_t>(__shfl_sync(0xffffffffu, lane % COLUMNS, lane)) * 4 * ENTRY_WORDS;
+    else return (lane % COLUMNS) * 4 * ENTRY_WORDS;
+  }
 
   // Fills the table from the codebook's constants (codebooks.h); the whole CTA, no barrier at the end.  Store
   // k of thread t writes 16 bytes of entry row byte = t / SPB + k 128 / SPB (SPB stores per row: its columns
@@ -348,20 +356,25 @@ struct ValueCodes {
                         Table::lookup(table, lane_offset, select_low_nibbles(w[2][word], w[3][word] << 4), i),
                         Table::lookup(table, lane_offset, select_low_nibbles(w[2][word] >> 4, w[3][word]), i));
     }
+    if constexpr (BITS == 4 && BLOCKED) {
+      // Tile t holds block t % 2: row g the low (block 0) or high (block 1) nibbles of byte 2 (t / 2), row g + 8 of
+      // the next byte.  As above, keys 2c and 2c + 1 merged into one byte look up a register directly.
+      const int i = (2 * (t / 2)) % 4, word = t / 4;
+      const uint32_t k01 = t % 2 ? select_low_nibbles(w[0][word] >> 4, w[1][word])
+                                 : select_low_nibbles(w[0][word], w[1][word] << 4);
+      const uint32_t k23 = t % 2 ? select_low_nibbles(w[2][word] >> 4, w[3][word])
+                                 : select_low_nibbles(w[2][word], w[3][word] << 4);
+      return make_uint4(Table::lookup(table, lane_offset, k01, i), Table::lookup(table, lane_offset, k01, i + 1),
+                        Table::lookup(table, lane_offset, k23, i), Table::lookup(table, lane_offset, k23, i + 1));
+    }
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
-    if constexpr (BLOCKED) {
-      const int b = t % 2, i = (2 * (t / 2)) % 4, word = t / 4;
+    if constexpr (BLOCKED) {  // 5, 6 bits: the merged word of block t % 2
+      const int i = (2 * (t / 2)) % 4, word = t / 4;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if constexpr (BITS == 4) {
-          const uint32_t lo = Table::lookup(table, lane_offset, w[j][word], i);
-          const uint32_t hi = Table::lookup(table, lane_offset, w[j][word], i + 1);
-          x[j] = b ? high_halves(lo, hi) : low_halves(lo, hi);
-        } else {  // 5, 6 bits: the merged word of block b
-          const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word], high_shift);
-          const uint32_t mw = b ? m.y : m.x;
-          x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
-        }
+        const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word], high_shift);
+        const uint32_t mw = t % 2 ? m.y : m.x;
+        x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
       }
     } else if constexpr (BITS == 8) {  // bytes 2t, 2t + 1
 #pragma unroll
@@ -410,9 +423,9 @@ struct Shape {
   static constexpr bool SLICED = SLICES > 1;
   static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
   static_assert(NB == 1 || SLICED, "two norm blocks are read by the sliced kernel");
-  // Two tables: a 2-bit one is compact (CodeTable).
-  using KTable = CodeTable<KB, KB != VB>;
-  using VTable = CodeTable<VB, KB != VB>;
+  // A 2-bit table is compact beside a second table and at D = 64 (CodeTable).
+  using KTable = CodeTable<KB, KB != VB || D == 64>;
+  using VTable = CodeTable<VB, KB != VB || D == 64>;
   using K = KeyCodes<KB, D, SLICES, KTable>;
   using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
@@ -1006,7 +1019,7 @@ constexpr int ctas_per_sm() {
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
   // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal
-  // widths of at most 4 bits at D = 64 (k2v2's 64 KB table allows 3 anyway); k3v3 at D = 128 spilled 56 bytes at
+  // widths of at most 4 bits at D = 64 (k2v2's compact table there); k3v3 at D = 128 spilled 56 bytes at
   // 4 and runs 3-6% faster at 3.  At D = 64 the kernels for caches with exact rows take 4 for every
   // pair (no main loop spills at 128): the room lets the exact CTAs share the splits' wave (default preset, B=8:
   // 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4 than at 3.  Sliced D = 512
