@@ -179,12 +179,12 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int, exact: bool = Fals
     """CTAs per SM the CUDA kernel of this shape is built for (exact: the build for caches with exact rows): ctas_per_sm
     in csrc/decode.cuh, which is the truth (its launch bound); a GPU test checks that the two agree.  Shared memory,
     out of 228 KB: the byte -> fp16 tables (one per distinct bit width; 32 columns of 4-byte entries, of 8-byte
-    entries for 2 bits, 16 of them where the 2-bit table is one of two or at head_dim 64; 256 rows, 96 for 3 bits, 2^bits for 5 and
-    6), at least the 32 KB the same space holds after the main loop, the static arrays and 1 KB reserved.  D = 512
-    splits each row's dims over the 4 warps ("sliced"): no per-warp outputs to combine, q fragments in registers,
-    4 KB of partial scores.  Registers: 4 CTAs (128 per thread) for k4v4 at D <= 128, for equal widths of at most 4
-    bits at D = 64 and for every pair of the exact-row build at D = 64, 3 for other pairs and at D = 512, 2 at
-    D = 256 (why: decode.cuh; BENCHMARKS.md)."""
+    entries for 2 bits, 16 of them where the 2-bit table is one of two or at head_dim 64; 256 rows, 96 for 3 bits,
+    2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static arrays and 1 KB
+    reserved.  D = 512 splits each row's dims over the 4 warps ("sliced"): no per-warp outputs to combine, q fragments
+    in registers, 4 KB of partial scores.  Registers: 4 CTAs (128 per thread) for k4v4 at D <= 128, for equal widths of
+    at most 4 bits at D = 64 and for every pair of the exact-row build at D = 64, 3 for other pairs and at D = 512, 2
+    at D = 256 (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and head_dim != 64 else 128)

@@ -91,7 +91,7 @@ struct Planes {
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
 // to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 4-15%
 // faster at D <= 128, H100) and k2v2 at D = 64 (4 CTAs instead of 3: 7% faster).  k2v2's one table keeps 32 columns
-// at D >= 128: compact, it measured 3% slower at equal residency (the lookups' shifts) and no faster on one more
+// at D >= 128: compact, it measured 2-3% slower at equal residency (the lookups' shifts) and no faster on one more
 // CTA (D = 128: 6% slower at B=8, 5% faster at B=32; D = 256: 4% slower).  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
