@@ -118,7 +118,7 @@ struct CodeTable {
   // is one lop3; when it sees the mask it re-applies it at every lookup (two lop3s: nvcc 13.0, sm_90).  The
   // multiply stays outside, so that the offset is known to be a multiple of 8 and 8-byte lookups stay one load.
   __device__ __forceinline__ static uint32_t lane_offset(int lane) {
-    if constexpr (COMPACT && COLUMNS < 32)
+    if constexpr (COLUMNS < 32)
       return static_cast<uint32_t>(__shfl_sync(0xffffffffu, lane % COLUMNS, lane)) * 4 * ENTRY_WORDS;
     else return (lane % COLUMNS) * 4 * ENTRY_WORDS;
   }
@@ -345,27 +345,30 @@ struct ValueCodes {
 
   __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
                                                    const uint32_t (&w)[4][WORDS], int t, int high_shift) {
-    if constexpr (BITS == 4 && !BLOCKED) {
-      // Byte t % 4 of a key's word t / 4 holds dims d, d + D/2 (low, high nibble).  The low nibbles of keys 2c and
-      // 2c + 1 merged into one byte (one lop3, shared by the word's four tiles) look up the register of row g
-      // directly, and their high nibbles row g + 8's: no byte-permutes of the looked-up halves (2% faster at D = 128
-      // and 256, H100).
-      const int i = t % 4, word = t / 4;
-      return make_uint4(Table::lookup(table, lane_offset, select_low_nibbles(w[0][word], w[1][word] << 4), i),
-                        Table::lookup(table, lane_offset, select_low_nibbles(w[0][word] >> 4, w[1][word]), i),
-                        Table::lookup(table, lane_offset, select_low_nibbles(w[2][word], w[3][word] << 4), i),
-                        Table::lookup(table, lane_offset, select_low_nibbles(w[2][word] >> 4, w[3][word]), i));
-    }
-    if constexpr (BITS == 4 && BLOCKED) {
-      // Tile t holds block t % 2: row g the low (block 0) or high (block 1) nibbles of byte 2 (t / 2), row g + 8 of
-      // the next byte.  As above, keys 2c and 2c + 1 merged into one byte look up a register directly.
-      const int i = (2 * (t / 2)) % 4, word = t / 4;
-      const uint32_t k01 = t % 2 ? select_low_nibbles(w[0][word] >> 4, w[1][word])
-                                 : select_low_nibbles(w[0][word], w[1][word] << 4);
-      const uint32_t k23 = t % 2 ? select_low_nibbles(w[2][word] >> 4, w[3][word])
-                                 : select_low_nibbles(w[2][word], w[3][word] << 4);
-      return make_uint4(Table::lookup(table, lane_offset, k01, i), Table::lookup(table, lane_offset, k01, i + 1),
-                        Table::lookup(table, lane_offset, k23, i), Table::lookup(table, lane_offset, k23, i + 1));
+    if constexpr (BITS == 4) {
+      // The low nibbles of keys j and j + 1 (j = 0, 2: keys 2c, 2c + 1 or 2c + 8, 2c + 9) merged into one byte (one
+      // lop3, shared by the word's four tiles) look up a register directly, and so do their high nibbles: no
+      // byte-permutes of the looked-up halves (2% faster at D = 128 and 256, 3% at D = 512, H100).
+      const int word = t / 4;
+      auto merged = [&](int j, bool high) {
+        return high ? select_low_nibbles(w[j][word] >> 4, w[j + 1][word])
+                    : select_low_nibbles(w[j][word], w[j + 1][word] << 4);
+      };
+      if constexpr (!BLOCKED) {
+        // Byte t % 4 of a key's word holds dims d, d + D/2 (low, high nibble): rows g and g + 8.
+        const int i = t % 4;
+        return make_uint4(Table::lookup(table, lane_offset, merged(0, false), i),
+                          Table::lookup(table, lane_offset, merged(0, true), i),
+                          Table::lookup(table, lane_offset, merged(2, false), i),
+                          Table::lookup(table, lane_offset, merged(2, true), i));
+      } else {
+        // Tile t holds block t % 2: row g the low (block 0) or high (block 1) nibbles of byte 2 (t / 2), row g + 8
+        // those of the next byte.
+        const int i = (2 * (t / 2)) % 4;
+        const uint32_t k01 = merged(0, t % 2), k23 = merged(2, t % 2);
+        return make_uint4(Table::lookup(table, lane_offset, k01, i), Table::lookup(table, lane_offset, k01, i + 1),
+                          Table::lookup(table, lane_offset, k23, i), Table::lookup(table, lane_offset, k23, i + 1));
+      }
     }
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
     if constexpr (BLOCKED) {  // 5, 6 bits: the merged word of block t % 2
