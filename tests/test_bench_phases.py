@@ -45,7 +45,6 @@ def test_phases_are_read_at_the_clock_the_global_timer_gives():
     assert r["start_spread_us"] == pytest.approx(0.06)
     assert r["parts_last_us"] == pytest.approx(0.06 + 14.25)
     assert r["end_us"] == pytest.approx(0.02 + 14.25 + 5.0)   # the merging CTA ends last
-    assert r["group_merge_us"] == 0.0
 
 
 def test_exact_rows_ctas_are_timed_apart_from_the_splits():

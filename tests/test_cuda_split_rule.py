@@ -1,17 +1,17 @@
 """The CUDA decode kernel's residency, split and merge rules (ops/cached/config.cuda_ctas_per_sm, cuda_num_splits,
-cuda_exact_parts, cuda_exact_ctas, cuda_exact_splits, cuda_merge_group): the properties their docstrings state,
+cuda_exact_parts, cuda_exact_ctas, cuda_exact_splits, cuda_merge_apart): the properties their docstrings state,
 over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
 BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_EXACT_ROWS_PER_CTA,
-                                         CUDA_EXACT_SPREAD_WAVES, CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS,
-                                         CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64, CUDA_MAX_WAVES, CUDA_MIN_KEYS_PER_SPLIT,
-                                         CUDA_MIN_WAVE_FILL, CUDA_ONE_LEVEL_MERGE, CUDA_SHORT_SPLIT,
-                                         cuda_ctas_per_sm, cuda_exact_ctas, cuda_exact_parts, cuda_exact_splits,
-                                         cuda_filled_splits, cuda_merge_group, cuda_num_splits, wave_fill)
+from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_EXACT_ROWS_PER_CTA, CUDA_EXACT_SPREAD_WAVES,
+                                         CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64,
+                                         CUDA_MAX_WAVES, CUDA_MERGE_APART, CUDA_MIN_KEYS_PER_SPLIT, CUDA_MIN_WAVE_FILL,
+                                         CUDA_SHORT_SPLIT, cuda_ctas_per_sm, cuda_exact_ctas, cuda_exact_parts,
+                                         cuda_exact_splits, cuda_filled_splits, cuda_merge_apart, cuda_num_splits,
+                                         wave_fill)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
 BATCH_KV_HEADS = st.integers(1, 4096)
@@ -123,27 +123,25 @@ def test_split_rule_at_the_measured_shapes():
 
 @settings(max_examples=500, deadline=None)
 @given(st.integers(1, CUDA_MAX_PARTS), st.integers(1, 8), st.sampled_from([64, 128, 256, 512]))
-def test_merge_groups_fit_the_counters(parts, rows, d):
-    """One level while the parts are small; otherwise groups that the kernel's counters cover (at most
-    CUDA_COUNTERS_PER_HEAD - 1), each of at least one part, none empty."""
-    size = cuda_merge_group(parts, rows, d)
-    groups = -(-parts // size)
-    assert 1 <= size <= parts
-    assert groups <= CUDA_COUNTERS_PER_HEAD - 1
-    assert (groups == 1) == (parts * rows * d <= CUDA_ONE_LEVEL_MERGE or size == parts)
-    assert (groups - 1) * size < parts
+def test_merge_apart_exactly_from_the_bound(parts, rows, d):
+    """The parts merge in a launch of their own exactly when they hold CUDA_MERGE_APART floats or more, and a call
+    with more parts or rows (the same head dim) never goes back to the fused merge."""
+    apart = cuda_merge_apart(parts, rows, d)
+    assert apart == (parts * rows * d >= CUDA_MERGE_APART)
+    if apart:
+        assert cuda_merge_apart(parts + 1, rows, d) and cuda_merge_apart(parts, min(rows + 1, 8), d)
 
 
 def test_merge_rule_at_the_measured_shapes():
-    # H100 (benchmarks/decode_one_level_merge_sweep_h100.json): one level up to 32K floats (32 parts x 8 rows at
-    # D=128, 128 x 2, D=64's 22 x 3), two from 64K (64 x 8 and 128 x 4 at D=128, 64 x 4 at D=256, D=512).
-    assert cuda_merge_group(32, 8, 128) == 32
-    assert cuda_merge_group(128, 2, 128) == 128
-    assert cuda_merge_group(22, 3, 64) == 22
-    assert cuda_merge_group(64, 8, 128) == 8
-    assert cuda_merge_group(128, 4, 128) == 12
-    assert cuda_merge_group(64, 4, 256) == 8
-    assert cuda_merge_group(128, 8, 512) == 12
+    # H200 (benchmarks/decode_merge_apart_h200.json): fused up to 8K floats (22 parts x 3 rows at D=64, 16 x 4 at
+    # D=128, 2 x 2 at D=256), apart from 16K (64 x 4 at D=64, 32 x 4 and 64 x 2 at D=128) and past it (128 x 8
+    # at D=512, 128 x 4 at D=256).
+    assert not cuda_merge_apart(22, 3, 64)
+    assert not cuda_merge_apart(16, 4, 128)
+    assert not cuda_merge_apart(4, 2, 256)
+    assert cuda_merge_apart(64, 4, 64)
+    assert cuda_merge_apart(32, 4, 128) and cuda_merge_apart(64, 2, 128)
+    assert cuda_merge_apart(128, 8, 512) and cuda_merge_apart(128, 4, 256)
 
 
 @settings(max_examples=500, deadline=None)

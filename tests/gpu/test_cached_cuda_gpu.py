@@ -116,24 +116,23 @@ def test_cuda_decode_cache_options(d, bits, scale_dtype, options, i):
     _check_against_reference(CASES[i], d, bits, scale_dtype, options)
 
 
-# The two-level merge (config.cuda_merge_group) forced onto small calls: groups of 1 (every part its own group), 3
-# and 5 parts, with fresh tokens, sinks, key transforms, a ring, exact rows.  (d, bits, options, case, group)
-MERGE_CASES = [(128, dict(), 1, 1), (128, dict(), 1, 3), (128, dict(exact_recent=64, exact_first=4), 1, 5),
-               (64, dict(), 8, 2), (512, dict(), 0, 4)]
+# The merge in a launch of its own (config.cuda_merge_apart, csrc/decode.cuh's merge_rows) forced onto small calls:
+# fresh tokens, sinks, key transforms, a ring, exact rows, every head dim.  (d, options, case)
+MERGE_CASES = [(128, dict(), 1), (128, dict(), 3), (128, dict(exact_recent=64, exact_first=4), 1), (64, dict(), 8),
+               (256, dict(), 2), (512, dict(), 0)]
 
 
-@pytest.mark.parametrize("d,options,i,group", MERGE_CASES, ids=[f"D{c[0]}-{c[1]}-{c[2]}-g{c[3]}" for c in MERGE_CASES])
-def test_cuda_two_level_merge(d, options, i, group, monkeypatch):
-    monkeypatch.setattr(cuda, "cuda_merge_group",
-                        lambda parts, rows, dim: min(max(group, -(-parts // (CUDA_COUNTERS_PER_HEAD - 1))), parts))
+@pytest.mark.parametrize("d,options,i", MERGE_CASES, ids=[f"D{c[0]}-{c[1]}-{c[2]}" for c in MERGE_CASES])
+def test_cuda_merge_apart(d, options, i, monkeypatch):
+    monkeypatch.setattr(cuda, "cuda_merge_apart", lambda parts, rows, dim: True)
     _check_against_reference(CASES[i], d, (4, 4), torch.bfloat16 if options else torch.float32, options)
 
 
-# Merges of more parts than a thread's register batch (16): the parts past it are staged in the dead table space
-# with cp.async, and those past the staging slots go through the batch loop; the weights sit in the centroids'
-# space (rows x parts <= 256 floats) or at the end of the table space (fewer staging slots); with fewer outputs than
-# threads (D = 64, 4 rows) two threads share each output's parts.  Splits of 256 keys each (none empty).
-# (d, case, options)
+# Merges of more parts than a thread's register batch (16), both ways.  Fused: the parts past it are staged in the
+# dead table space with cp.async, and those past the staging slots go through the batch loop; the weights sit in
+# the centroids' space (rows x parts <= 256 floats) or at the end of the table space (fewer staging slots); with
+# fewer outputs than threads (D = 64, 4 rows) two threads share each output's parts.  Apart: a thread's parts past
+# its first batch go through the batch loop.  Splits of 256 keys each (none empty).  (d, case, options)
 MANY_PARTS_CASES = [
     (128, (1, 2, 4, 40 * 256, None, 1, True, None, True, False, 40), {}),                 # 16 + 16 staged + 8
     (128, (1, 2, 8, 48 * 256, None, 1, False, None, False, True, 48), {}),               # weights in the table space
@@ -142,9 +141,11 @@ MANY_PARTS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["fused", "apart"])
 @pytest.mark.parametrize("d,case,options", MANY_PARTS_CASES,
                          ids=[f"D{c[0]}-{c[1]}-{c[2]}" for c in MANY_PARTS_CASES])
-def test_cuda_merge_of_many_parts(d, case, options):
+def test_cuda_merge_of_many_parts(d, case, options, apart, monkeypatch):
+    monkeypatch.setattr(cuda, "cuda_merge_apart", lambda parts, rows, dim: apart)
     _check_against_reference(case, d, (4, 4), torch.bfloat16 if options else torch.float32, options)
 
 
@@ -285,16 +286,15 @@ def _check_nan_rows(got, want_nan, clean):
     assert torch.equal(got[~want_nan.cuda()], clean[~want_nan.cuda()])
 
 
-@pytest.mark.parametrize("merge_group", [None, 2], ids=["one-level", "two-level"])
+@pytest.mark.parametrize("apart", [False, True], ids=["fused", "apart"])
 @pytest.mark.parametrize("options", [{}, dict(exact_recent=16)], ids=["codes", "exact-window"])
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("value", BAD, ids=["nan", "inf", "-inf"])
-def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options, merge_group, monkeypatch):
+def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options, apart, monkeypatch):
     """The last cached position of sequence 0, KV head 0 is poisoned; of two queries ending there, the first
-    does not see it.  3 splits: the NaN must cross the fused merge (both levels of a two-level one) to exactly its
-    rows.  With an exact window the position is read from the exact rows (the exact part), not from its codes."""
-    if merge_group:
-        monkeypatch.setattr(cuda, "cuda_merge_group", lambda parts, rows, d: min(merge_group, parts))
+    does not see it.  3 splits: the NaN must cross the merge (fused, or in its own launch) to exactly its rows.
+    With an exact window the position is read from the exact rows (the exact part), not from its codes."""
+    monkeypatch.setattr(cuda, "cuda_merge_apart", lambda parts, rows, d: apart)
     gen = torch.Generator().manual_seed(7)
     codec = ta.KVCodec(128, 4, 4)
     b, hkv, g, t, tq = 2, 2, 4, 300, 2

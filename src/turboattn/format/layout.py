@@ -61,8 +61,8 @@ class CacheLayout:
     key_gain_inv: torch.Tensor | None = None
     key_shifted: bool = False                # whether key_shift is non-zero (a host flag: no sync to read it)
     nonfinite: torch.Tensor | None = None    # [B] int32 counter, or None: quantize-append does not count
-    # [B, Hkv, 17] int32, zero between launches: the CUDA kernel's fused-merge arrival counters (the final merge's
-    # and one per group of a two-level merge; ops/cached/config.py: CUDA_COUNTERS_PER_HEAD).  Owned by the
+    # [B, Hkv, 1] int32, zero between launches: the CUDA kernel's fused-merge arrival counters
+    # (ops/cached/config.py: CUDA_COUNTERS_PER_HEAD per (sequence, KV head)).  Owned by the
     # cache, so that they are allocated before any CUDA graph is captured (None: the kernel keeps its own).
     merge_counters: torch.Tensor | None = None
     # The exact recent window (module docstring): [B, Hkv, R + 1, D] in the exact dtype, or None with R = 0.

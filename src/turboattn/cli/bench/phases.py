@@ -15,6 +15,9 @@ sequence x KV head): the phase medians are then the splits' alone, and more colu
 time to their part, its phases (set-up, the first chunk's scores, the other rows, the output) and when the last of
 them wrote its part.
 
+Calls whose parts merge in a launch of their own (ops/cached/config.cuda_merge_apart) leave the merge columns
+empty: that launch is not stamped, and "end" is the decode launch's.
+
 The stamps cost a few instructions per phase; time the shipped build with `turboattn bench decode`.
 """
 
@@ -35,7 +38,7 @@ from .common import environment, print_table, require_cuda, write_results
 from .decode import SHAPES, fill_cache
 
 SLOTS = 16   # csrc/decode.cuh: STAMP_SLOTS
-WARPS_DONE, START, STAGED, READY, LOOP_DONE, PART_DONE, MERGE, END, GROUP_MERGE, TABLES = range(10)
+WARPS_DONE, START, STAGED, READY, LOOP_DONE, PART_DONE, MERGE, END, _UNUSED, TABLES = range(10)
 G_START, G_PART, G_END, SM, MERGE_WEIGHTS, MERGE_SUMMED = range(10, 16)
 
 
@@ -77,7 +80,6 @@ def summarize(stamps: torch.Tensor, exact_ctas: int = 0) -> dict:
     us = lambda cycles: cycles / ghz / 1e3                  # noqa: E731
     t0 = s[:, G_START].min()
     merging = s[:, MERGE] > 0
-    grouping = s[:, GROUP_MERGE] > 0
 
     def med(a, b, rows=splits):
         x = us(s[rows, b] - s[rows, a])
@@ -93,7 +95,6 @@ def summarize(stamps: torch.Tensor, exact_ctas: int = 0) -> dict:
         "warps_us": med(LOOP_DONE, WARPS_DONE), "combine_us": med(WARPS_DONE, PART_DONE),
         "parts_median_us": float((s[splits, G_PART].median() - t0) / 1e3),
         "parts_last_us": float((s[:, G_PART].max() - t0) / 1e3),
-        "group_merge_us": med(GROUP_MERGE, END, grouping) if grouping.any() else 0.0,
         "merge_us": med(MERGE, END, merging), "arrive_us": med(PART_DONE, MERGE, merging),
         "merge_weights_us": med(MERGE, MERGE_WEIGHTS, merging),
         "merge_sum_us": med(MERGE_WEIGHTS, MERGE_SUMMED, merging), "merge_out_us": med(MERGE_SUMMED, END, merging),
@@ -129,12 +130,12 @@ def run(args) -> int:
             del cache
             torch.cuda.empty_cache()
     cols = ["B", "Hq", "Hkv", "D", "L", "bits", "CTAs", "per SM", "start spread", "staged", "tables", "q", "loop",
-            "loop max", "warps", "combine", "parts median", "parts last", "group merge", "arrive", "merge",
+            "loop max", "warps", "combine", "parts median", "parts last", "arrive", "merge",
             "weights", "sum", "out", "end"]
     rows = [[r["B"], r["Hq"], r["Hkv"], r["D"], r["L"], f"k{r['k_bits']}v{r['v_bits']}", r["ctas"],
              f"{r['ctas_per_sm']['min']}-{r['ctas_per_sm']['max']}", r["start_spread_us"], r["staged_us"],
              r["tables_us"], r["q_us"], r["loop_us"], r["loop_max_us"], r["warps_us"], r["combine_us"],
-             r["parts_median_us"], r["parts_last_us"], r["group_merge_us"], r["arrive_us"], r["merge_us"],
+             r["parts_median_us"], r["parts_last_us"], r["arrive_us"], r["merge_us"],
              r["merge_weights_us"], r["merge_sum_us"], r["merge_out_us"], r["end_us"]] for r in results]
     if any(r["exact_ctas"] for r in results):   # the exact rows' CTAs: median time to their part, and the last one
         cols += ["exact", "exact: set-up", "scores", "rows", "out", "exact last"]

@@ -8,7 +8,6 @@ for its capacity rather than the current length).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -66,17 +65,17 @@ CUDA_EXACT_SPREAD_WAVES = 1.5
 # heads at L=32K: 19.2 against 23.5 µs with one; B=32 L=8K 47.8 against 51.7).
 CUDA_EXACT_ROWS_PER_CTA = {64: 64, 128: 32, 256: 16, 512: 16}
 CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 16-key tile)
-# The merge on the kernel's tail: one CTA per (sequence, KV head) reads every part (rows x D floats each).  Past
-# CUDA_ONE_LEVEL_MERGE floats it merges in two levels: the last CTA of each group of parts merges the group, the
-# last group merges the groups.  Arrival counters per (sequence, KV head): the final one and one per group
-# (csrc/decode.h's COUNTERS_PER_HEAD; a GPU test compares them).  The bound comes from a sweep over 14 shapes
-# (H100, k4v4, benchmarks/decode_one_level_merge_sweep_h100.json): parts of 64K floats merge 12-20% faster in two
-# levels (one sequence x 4 KV heads x 8 rows x 64 parts at D = 128: 18.1 against 20.9 us; 2 heads x 4 rows x 128
-# parts: 16.7 against 19.2; D = 256, 4 rows x 64 parts: 22.7 against 27.1), parts of 32K floats within 1 us either
-# way (8 rows x 32 parts: 15.0 in one level against 15.8 in two; 4 rows x 64 parts: 19.8 against 19.6), parts of
-# 16K floats or fewer as fast or faster in one (up to 1.4 us).
-CUDA_COUNTERS_PER_HEAD = 17
-CUDA_ONE_LEVEL_MERGE = 32 * 1024
+# The merge: on the kernel's tail, the last CTA of each (sequence, KV head) to finish reads every part (rows x D
+# floats each), counted in by one arrival counter per (sequence, KV head) (csrc/decode.h's COUNTERS_PER_HEAD; a GPU
+# test compares them).  From CUDA_MERGE_APART floats of parts per (sequence, KV head) a second launch merges them
+# instead, one CTA per output row (csrc/decode.cuh: merge_rows), so that a head's parts stream through as many SMs
+# as it has rows.  The bound comes from both merges on 19 shapes (H200, k4v4, benchmarks/decode_merge_apart_h200.json):
+# apart, one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 took 38.9 against 45.2 us, 4 rows x 128 parts at
+# D = 256 15.9 against 21.3, 4 rows x 64 parts at D = 128 17.9 against 19.8; at 16K floats 0.97-1.00 of the fused
+# time; below, slower (8 sequences x 3 KV heads x 3 rows x 22 parts at D = 64: 22.0 against 20.1; 32 x 8 heads x 2
+# parts at D = 128: 125.7 against 99.7), the second launch costing more than the tail's merges.
+CUDA_COUNTERS_PER_HEAD = 1
+CUDA_MERGE_APART = 16 * 1024
 
 
 def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,
@@ -159,14 +158,10 @@ def cuda_exact_splits(splits: int, resident: int, batch_kv_heads: int, head_dim:
     return splits if max_tokens / in_wave - max_tokens / splits >= CUDA_EXACT_TAIL_KEYS else in_wave
 
 
-def cuda_merge_group(num_parts: int, rows: int, head_dim: int) -> int:
-    """Parts per group of the fused merge: num_parts (one level) while the parts hold at most CUDA_ONE_LEVEL_MERGE
-    floats, else about sqrt(num_parts) (both levels then read about as much), at most CUDA_COUNTERS_PER_HEAD - 1
-    groups."""
-    if num_parts * rows * head_dim <= CUDA_ONE_LEVEL_MERGE:
-        return num_parts
-    size = max(math.isqrt(num_parts - 1) + 1, -(-num_parts // (CUDA_COUNTERS_PER_HEAD - 1)))
-    return min(size, num_parts)
+def cuda_merge_apart(num_parts: int, rows: int, head_dim: int) -> bool:
+    """Whether a call's parts are merged in a launch of their own (else on the decode kernel's tail): from
+    CUDA_MERGE_APART floats of parts per (sequence, KV head)."""
+    return num_parts * rows * head_dim >= CUDA_MERGE_APART
 
 
 def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:

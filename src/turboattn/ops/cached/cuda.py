@@ -1,11 +1,11 @@
 """The CUDA fast path of cached attention: the bit pairs of config.CUDA_BIT_PAIRS (every preset: 2 to 8-bit K and V)
 at head_dim 64/128/256/512 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
 
-One launch covers the cache splits and their merge: with exact rows (an exact recent window, exact first
-tokens), the plan's exact_parts more CTAs per (sequence, KV head) attend them in full precision (at most
-config.cuda_exact_parts), each one more part; the last CTA of
-each sequence x KV head attends the fresh k/v tokens (when given) in full precision, merges them with the parts,
-adds the sinks, rotates back and casts.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
+One launch covers the cache splits and, while the parts are small, their merge: with exact rows (an exact recent
+window, exact first tokens), the plan's exact_parts more CTAs per (sequence, KV head) attend them in full precision
+(at most config.cuda_exact_parts), each one more part; the last CTA of each sequence x KV head attends the fresh k/v
+tokens (when given) in full precision, merges them with the parts, adds the sinks, rotates back and casts.  Larger
+parts (config.cuda_merge_apart) are merged the same way by a second launch, one CTA per output row.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
 query rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which
 the extension's launches do without: they guard themselves.  The extension is built with nvcc on first use
 (ops/cuda_extension.py), for the GPUs this process sees.
@@ -21,7 +21,7 @@ from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
-                     cuda_exact_parts, cuda_kernel_serves, cuda_merge_group, plan_decode)
+                     cuda_exact_parts, cuda_kernel_serves, cuda_merge_apart, plan_decode)
 from .triton import cached_attention_triton, query_scale
 
 
@@ -80,7 +80,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     return ext.decode(q, *fixed.head, *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0),
                       fixed.window, plan.num_splits, num_parts, fixed.ring, has_fresh, CUDA_CHUNK_ALIGN, counters,
                       None, sinks, k, v, fixed.fresh_key_shift if has_fresh else fixed.key_shift, *exact_rows,
-                      cuda_merge_group(num_parts, rows, d))
+                      cuda_merge_apart(num_parts, rows, d))
 
 
 def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None,
@@ -110,7 +110,7 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
             return cached_attention_cuda(q, layout, codec, k, v, scale, softcap, None, plan)
         return ext.decode(q, *head, *part_scratch(q, hkv, num_parts), q_scale, kernel_softcap, window,
                           plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
-                          key_shift, *exact_rows, cuda_merge_group(num_parts, rows, d))
+                          key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d))
     return launch
 
 

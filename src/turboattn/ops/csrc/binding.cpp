@@ -29,7 +29,7 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
                      const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new,
                      const c10::optional<torch::Tensor>& key_shift, const c10::optional<torch::Tensor>& recent_k,
                      const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
-                     const c10::optional<torch::Tensor>& first_v, int64_t merge_group) {
+                     const c10::optional<torch::Tensor>& first_v, bool merge_apart) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -106,7 +106,6 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.ring = ring;
   p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
-  p.merge_group = merge_group;
   // The bit widths pick the kernel; it builds its code tables from the codebooks compiled in (csrc/codebooks.h).
   const int k_bits = static_cast<int>(k_bits_arg);
   const int v_bits = static_cast<int>(v_bits_arg);
@@ -120,9 +119,9 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
               exact ? "more than num_splits (the exact parts follow the splits)" : "num_splits");
   TORCH_CHECK(num_parts >= 1 && num_parts <= turboattn::MAX_PARTS, "turboattn decode: 1 to ", turboattn::MAX_PARTS,
               " parts (the merge's scratch), got ", num_parts);
-  TORCH_CHECK(merge_group >= 1 && (num_parts + merge_group - 1) / merge_group < turboattn::COUNTERS_PER_HEAD,
-              "turboattn decode: merge_group ", merge_group, " makes more than ", turboattn::COUNTERS_PER_HEAD - 1,
-              " groups of ", num_parts, " parts");
+  // merge_apart: the merge runs in a launch of its own (merge_rows), and the decode launch only writes the parts.
+  TORCH_CHECK(merge_apart || counters.has_value(), "turboattn decode: the fused merge needs the arrival counters");
+  if (merge_apart) p.counters = nullptr;
   int err = -1;
   if (head_dim == 64) {
     err = (exact ? launch_decode_d64_exact : launch_decode_d64)(p, k_bits, v_bits, batch_kv_heads, stream);
@@ -135,6 +134,13 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   }
   TORCH_CHECK(err != -1, "turboattn decode: no kernel for head_dim ", head_dim, ", k_bits ", k_bits, ", v_bits ", v_bits);
   TORCH_CHECK(err == 0, "turboattn decode launch failed: CUDA error ", err);
+  if (merge_apart) {
+    err = head_dim == 64    ? launch_merge_d64(p, batch_kv_heads, stream)
+          : head_dim == 128 ? launch_merge_d128(p, batch_kv_heads, stream)
+          : head_dim == 256 ? launch_merge_d256(p, batch_kv_heads, stream)
+                            : launch_merge_d512(p, batch_kv_heads, stream);
+    TORCH_CHECK(err == 0, "turboattn decode: the merge's launch failed: CUDA error ", err);
+  }
   return output;
 }
 
@@ -190,7 +196,7 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.seen = seen.data_ptr<int>();
   p.arrivals = arrivals.has_value() ? arrivals->data_ptr<int>() : nullptr;  // none: seen is the caller's to advance
   if (arrivals.has_value()) {
-    // A cache's merge counters [B, Hkv, 17]: sequence b's are its first; a flat buffer: one per sequence.
+    // A cache's merge counters [B, Hkv, 1]: sequence b's are its first; a flat buffer: one per sequence.
     p.arrival_stride = arrivals->dim() == 3 ? static_cast<int>(arrivals->size(1) * arrivals->size(2)) : 1;
     TORCH_CHECK((k.size(0) - 1) * p.arrival_stride < arrivals->numel(),
                 "turboattn quantize_append: the arrival counters hold fewer than one per sequence");

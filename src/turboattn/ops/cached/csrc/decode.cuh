@@ -24,7 +24,7 @@
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
 // output and log2-sum-exp; with counters given, the last CTA of each (sequence, KV head) merges all parts
-// (merge_parts) in the same launch, in two levels when the parts are large (merge_group).  D = 512 splits each row's
+// (merge_parts) in the same launch, and otherwise a second launch merges them, one CTA per output row (merge_rows).  D = 512 splits each row's
 // dims over the warps instead of its keys (Shape::SLICED) and reads two norm blocks (KeyCodes::BLOCKED).
 #pragma once
 #include <cuda_fp16.h>
@@ -47,8 +47,8 @@ static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query r
 // phases` builds and reads it): thread 0 of each CTA writes STAMP_SLOTS 64-bit words after every CTA's part
 // in o_part (the probe allocates the room): slots 10 / 11 / 12 the global timer at the start / part written / end,
 // 13 the SM, the others the SM clock at: 1 start, 2 loads issued, 9 tables built, 3 q fragments
-// ready, 4 main loop done (warp 0), 0 every warp done, 5 part written, 8 group merge started, 6 final merge started,
-// 14 merge weights ready, 15 parts summed, 7 end.  The exact rows' CTAs (the grid's last) stamp 1 start, 2 set-up
+// ready, 4 main loop done (warp 0), 0 every warp done, 5 part written, 6 merge started (fused), 14 merge weights
+// ready, 15 parts summed, 7 end (slot 8 is free; a merge in its own launch, merge_rows, stamps nothing).  The exact rows' CTAs (the grid's last) stamp 1 start, 2 set-up
 // done, 9 the first chunk's scores, 3 every chunk attended, 5 part written, 7 end, and the global timer.
 constexpr int STAMP_SLOTS = 16;
 #ifdef TURBOATTN_STAMPS
@@ -806,22 +806,20 @@ __device__ __forceinline__ void sum_parts_in_flight(const float4* o, Step step, 
 // instead of two).  With fewer outputs than threads, `groups` threads share an output's parts (group k takes
 // parts k, k + groups, ...) and their partial sums are added in a fixed order.  The weights ([rows][num_parts])
 // live in `small` when they fit, else at the end of the scratch.
-// num_parts / stride: the parts merged are 0, stride, 2 stride, ... (stride > 1: the groups' results of a two-level
-// merge, merge_group).
 constexpr int SMALL_WORDS = 256;
 template <int D>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float* scratch, int scratch_words,
                                             float* small, float* y, float* denominator, float* fresh_p,
-                                            const float* signs, int num_parts, int stride) {
+                                            const float* signs, int num_parts) {
   // b and kvh are recomputed here (the main loop need not keep them alive); bh comes from the caller.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
-  const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q * stride * rows + r
+  const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q rows + r
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
   constexpr int D4 = D / 4, BATCH = 16, THREADS = WARPS * 32;
   const int outputs = rows * D4;
   const int groups = outputs < THREADS ? THREADS / outputs : 1;
-  const size_t step = (size_t)stride * rows * D4;  // float4s between consecutive merged parts of a row
+  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of a row
   float4 part[BATCH];
   const bool small_weights = rows * num_parts <= SMALL_WORDS;
   const int scratch_free = small_weights ? scratch_words : (scratch_words - rows * num_parts) & ~3;  // 16-byte aligned
@@ -848,7 +846,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 #pragma unroll
   for (int k = 0; k < RPW; ++k) {
     const int r = warp + k * WARPS;
-    lse_first[k] = r < rows && lane < num_parts ? __ldcg(p.lse_part + first + (size_t)lane * stride * rows + r) : 0.f;
+    lse_first[k] = r < rows && lane < num_parts ? __ldcg(p.lse_part + first + (size_t)lane * rows + r) : 0.f;
   }
   if (tid < outputs * groups) {
     load_batch(tid, tid / outputs);
@@ -872,7 +870,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
     // The parts' log2-sum-exps, staged in w_row (one L2 round trip, issued before the fresh tokens' loads).
     float mx = sink;
     for (int q = lane; q < num_parts; q += 32) {
-      const float x = q == lane ? lse_first[k] : __ldcg(p.lse_part + first + (size_t)q * stride * rows + r);
+      const float x = q == lane ? lse_first[k] : __ldcg(p.lse_part + first + (size_t)q * rows + r);
       w_row[q] = x;
       mx = fmaxf(mx, x);
     }
@@ -953,7 +951,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 #pragma unroll
       for (int k = 0; k < OTHERS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       sum_parts_in_flight<D, OTHERS, 1>(reinterpret_cast<const float4*>(p.o_part + first * D) + tid,
-                                         (size_t)stride * outputs, weight, num_parts, outputs, acc);
+                                         (size_t)outputs, weight, num_parts, outputs, acc);
 #pragma unroll
       for (int k = 0; k < OTHERS; ++k) {
         const int i = tid + (k + 1) * THREADS;
@@ -1041,49 +1039,6 @@ constexpr int dynamic_bytes() { return Shape<D, KB, VB>::DYNAMIC_WORDS * 4; }
 // address is still a constant, so table addresses stay immediates.
 extern __shared__ __align__(16) uint32_t code_tables[];
 
-// One level of the merge of a two-level plan (p.merge_group < p.num_parts): the last CTA of a group of
-// merge_group consecutive parts merges them into the group's first part (its output and log2-sum-exp), so that
-// the final merge reads one part per group.  Each part's weight is computed once per row (a thread per row) and
-// staged.  A thread owns up to ITEMS float4s of the output (8 at D = 512) and sums them together
-// (sum_parts_in_flight: a loop over the items, each waiting on its own loads, took 16 round trips for 12 parts,
-// 9.8 µs at D = 512, B=1 L=32K, against 6.5 this way, H200).  A thread writes only what it read.  lse_s: shared scratch of 2 x MAX_ROWS x count floats.
-template <int D>
-__device__ __forceinline__ void merge_group(const DecodeParams& p, int bh, int first_part, int count, float* lse_s) {
-  const int tid = threadIdx.x, rows = p.tq * p.group;
-  constexpr int D4 = D / 4, THREADS = WARPS * 32;
-  constexpr int ITEMS = (MAX_ROWS * D4 + THREADS - 1) / THREADS;
-  const size_t base = ((size_t)bh * p.num_parts + first_part) * rows;  // row r of part first_part + q: base + q rows + r
-  float* weight = lse_s + rows * count;  // [r][q]: the part's share of the group's row r
-  for (int i = tid; i < rows * count; i += THREADS)
-    lse_s[i] = __ldcg(p.lse_part + base + (size_t)(i % count) * rows + i / count);  // [r][q]
-  __syncthreads();
-  if (tid < rows) {
-    const float* lse = lse_s + tid * count;
-    float mx = -INFINITY, sum = 0.f;
-    for (int q = 0; q < count; ++q) mx = fmaxf(mx, lse[q]);  // NaN passes by (its weight is NaN below)
-    const float m_use = mx == -INFINITY ? 0.f : mx;
-    float* w = weight + tid * count;
-    for (int q = 0; q < count; ++q) {
-      w[q] = exp2f(lse[q] - m_use);
-      sum += w[q];
-    }
-    const float inv = sum != 0.f ? 1.f / sum : 0.f;  // nothing seen: weights 0, output 0; NaN stays NaN
-    for (int q = 0; q < count; ++q) w[q] *= inv;
-    p.lse_part[base + tid] = sum != 0.f ? m_use + log2f(sum) : -INFINITY;  // read into lse_s above
-  }
-  __syncthreads();
-  const int outputs = rows * D4;  // float4s of a part, and between consecutive parts
-  // Item k of this thread: float4 tid + k THREADS of a part (row (tid + k THREADS) / D4), at o[k THREADS].
-  float4* o = reinterpret_cast<float4*>(p.o_part + base * D) + tid;
-  float4 acc[ITEMS];
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  sum_parts_in_flight<D, ITEMS, 0>(o, outputs, weight, count, outputs, acc);
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k)
-    if (tid + k * THREADS < outputs) o[k * THREADS] = acc[k];
-}
-
 // Arrive on `counter` (after making this CTA's writes visible): whether this CTA is the last of `expected`; the last
 // one resets the counter for the next call (and the next replay of a captured graph).  is_last: a shared flag.
 // One thread arrives, after the barrier that orders the CTA's writes before it, with one acquire-release atomic
@@ -1102,28 +1057,16 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_
   return is_last;
 }
 
-// Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part (p.num_parts of
-// them), or with a two-level plan the last CTA of each group merges the group and the last group merges the groups.
-// Counters of a (sequence, KV head): COUNTERS_PER_HEAD from bh COUNTERS_PER_HEAD, the final one first.  The
-// merges take the CTA's index from here: recomputing it costs integer divisions, cold code on the kernel's tail.
+// Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part.  The merge takes
+// the CTA's index from here: recomputing it costs integer divisions, cold code on the kernel's tail.
 template <int D>
 __device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaIndex& cta, int scratch_words,
                                                float* small, float* q_rot, float* warp_ml, float* fresh_p,
                                                const float* signs, int& is_last) {
-  int* counters = p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD;
-  float* scratch = reinterpret_cast<float*>(code_tables);
-  const int gs = p.merge_group, groups = (p.num_parts + gs - 1) / gs;
-  int parts = p.num_parts, stride = 1;
-  if (groups > 1) {
-    const int group = cta.part / gs, first = group * gs, count = min(gs, p.num_parts - first);
-    if (!arrive_last(counters + 1 + group, count, is_last)) return;
-    TURBOATTN_STAMP(8);
-    merge_group<D>(p, cta.bh, first, count, scratch);
-    parts = groups, stride = gs;
-  }
-  if (!arrive_last(counters, parts, is_last)) return;
+  if (!arrive_last(p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD, p.num_parts, is_last)) return;
   TURBOATTN_STAMP(6);
-  merge_parts<D>(p, cta.bh, scratch, scratch_words, small, q_rot, warp_ml, fresh_p, signs, parts, stride);
+  merge_parts<D>(p, cta.bh, reinterpret_cast<float*>(code_tables), scratch_words, small, q_rot, warp_ml, fresh_p,
+                 signs, p.num_parts);
 }
 
 // An exact part (the CTAs of parts num_splits .. num_parts - 1, in the kernels built for caches with exact rows):
@@ -1837,6 +1780,147 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
     join_and_merge<D>(p, cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
   TURBOATTN_STAMP(7);
   TURBOATTN_STAMP(12);
+}
+
+// The merge in a launch of its own, for calls whose parts are more than one CTA per (sequence, KV head) reads
+// quickly on the decode kernel's tail (ops/cached/config.cuda_merge_apart; the decode launch then runs without
+// counters and only writes its parts): one CTA of MERGE_THREADS threads per output row, so that the parts of a row
+// stream through one SM each instead of a head's rows through one.  Thread t owns float4 t % D4 of the row and sums
+// the parts t / D4, t / D4 + SETS, ... in order, MERGE_BATCH loads in flight; the sets' sums are added in order
+// (deterministic).  The part loads go out first; the log2-sum-exps, the sink and the fresh tokens' scores (warp 0)
+// give the weights meanwhile.  Then warp 0 rotates the row back, adds the fresh tokens' values and stores, as
+// merge_parts does.
+constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
+template <int D>
+__global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p) {
+  constexpr int D4 = D / 4, SETS = MERGE_THREADS / D4, WARPS_M = MERGE_THREADS / 32, N = D / 32;
+  __shared__ float weight[MAX_PARTS];
+  __shared__ __align__(16) float4 set_sum[SETS * D4];
+  __shared__ float y[D];
+  __shared__ float reduce[WARPS_M];
+  __shared__ float fresh_s[MAX_ROWS];
+  __shared__ float row_max, denominator;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rows = p.tq * p.group, parts = p.num_parts;
+  const int bh = blockIdx.x / rows, r = blockIdx.x % rows;
+  const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
+  const int t = r / p.group, head = kvh * p.group + r % p.group;
+  const size_t first = (size_t)bh * parts * rows + r;  // part q of this row: first + q rows
+  const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
+  // This thread's first batch of parts goes out before anything waits.
+  const int f = tid % D4, set = tid / D4;
+  const float4* o = reinterpret_cast<const float4*>(p.o_part + first * D) + f;
+  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of the row
+  float4 x[MERGE_BATCH];
+#pragma unroll
+  for (int j = 0; j < MERGE_BATCH; ++j) {
+    const int q = set + j * SETS;
+    x[j] = q < parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // The row maximum over the parts' log2-sum-exps (staged in `weight`), the sink and the fresh tokens.
+  float mx = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
+  const float sink = mx;
+  for (int q = tid; q < parts; q += MERGE_THREADS) {
+    const float lse = __ldcg(p.lse_part + first + (size_t)q * rows);
+    weight[q] = lse;
+    mx = fmaxf(mx, lse);  // NaN passes by (its weight is NaN below)
+  }
+  if (p.has_fresh && warp == 0)
+    mx = fmaxf(mx, fresh_scores<D>(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t, kv0,
+                                   p.key_shift ? p.key_shift + (size_t)bh * D : nullptr, t, lane, fresh_s));
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
+  if (lane == 0) reduce[warp] = mx;
+  __syncthreads();
+  if (tid == 0) {
+    float all = -INFINITY;
+    for (int w = 0; w < WARPS_M; ++w) all = fmaxf(all, reduce[w]);
+    row_max = all == -INFINITY ? 0.f : all;
+  }
+  __syncthreads();
+  const float m_use = row_max;
+  float sum = 0.f;
+  for (int q = tid; q < parts; q += MERGE_THREADS) {  // each thread reads back what it staged
+    const float w = exp2f(weight[q] - m_use);
+    weight[q] = w;
+    sum += w;
+  }
+  if (p.has_fresh && warp == 0) {  // fresh token j's weight, lane j (NaN for a non-finite token)
+    const float w = lane < MAX_ROWS ? exp2f(fresh_s[lane] - m_use) : 0.f;
+    if (lane < MAX_ROWS) fresh_s[lane] = w;
+    sum += w;
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  __syncthreads();  // every warp has read row_max and written its weights
+  if (lane == 0) reduce[warp] = sum;
+  __syncthreads();
+  if (tid == 0) {
+    float all = exp2f(sink - m_use);
+    for (int w = 0; w < WARPS_M; ++w) all += reduce[w];
+    denominator = all;
+  }
+  // The weighted sum of this thread's parts, in order.
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int q0 = 0; q0 < parts; q0 += MERGE_BATCH * SETS) {
+    if (q0 > 0) {
+#pragma unroll
+      for (int j = 0; j < MERGE_BATCH; ++j) {
+        const int q = q0 + set + j * SETS;
+        x[j] = q < parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j) {
+      const int q = q0 + set + j * SETS;
+      const float w = q < parts ? weight[q] : 0.f;
+      acc.x += w * x[j].x, acc.y += w * x[j].y, acc.z += w * x[j].z, acc.w += w * x[j].w;
+    }
+  }
+  set_sum[set * D4 + f] = acc;
+  __syncthreads();
+  if (tid < D4) {
+    float4 total = set_sum[tid];
+    for (int k = 1; k < SETS; ++k) {
+      const float4 a = set_sum[k * D4 + tid];
+      total.x += a.x, total.y += a.y, total.z += a.z, total.w += a.w;
+    }
+    const float inv = denominator != 0.f ? 1.f / denominator : 0.f;  // NaN stays NaN
+    reinterpret_cast<float4*>(y)[tid] = make_float4(total.x * inv, total.y * inv, total.z * inv, total.w * inv);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  // Rotation back, the fresh tokens' values (in the model's domain), the store.
+  float v[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = y[lane * N + i];
+  hadamard_warp<D, true>(v, lane);
+  const float norm = rsqrtf((float)D), denom = denominator;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] *= p.signs[lane * N + i] * norm;
+  if (p.has_fresh && denom != 0.f) {
+    float fresh[N] = {};
+#pragma unroll 1
+    for (int j = 0; j <= t; ++j) {
+      const float w = fresh_s[j];
+      if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
+      float xv[N];
+      load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, xv);
+#pragma unroll
+      for (int i = 0; i < N; ++i) fresh[i] += w * xv[i];
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
+  }
+  const int hq = p.num_kv_heads * p.group;
+  store_row<N>(p.out, p.q_dtype, (((size_t)b * hq + head) * p.tq + t) * D + lane * N, v);
+}
+
+// (A programmatic dependent launch, so that the merge's CTAs start as the decode launch's end, measured no faster.)
+template <int D>
+int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
+  merge_rows<D><<<batch_kv_heads * params.tq * params.group, MERGE_THREADS, 0, stream>>>(params);
+  return static_cast<int>(cudaGetLastError());
 }
 
 // Launches decode<D, KB, VB, EXACT>.  Past 48 KB of shared memory, static and dynamic together, a kernel needs an

@@ -6,9 +6,8 @@ namespace turboattn {
 
 // Cache parts per (sequence, KV head) at most: the merge's scratch (ops/cached/config.py: CUDA_MAX_PARTS).
 constexpr int MAX_PARTS = 1024;
-// Arrival counters per (sequence, KV head): the final merge's, then one per group of a two-level merge (at most
-// COUNTERS_PER_HEAD - 1 groups; ops/cached/config.py: CUDA_COUNTERS_PER_HEAD).
-constexpr int COUNTERS_PER_HEAD = 17;
+// Arrival counters per (sequence, KV head): the fused merge's (ops/cached/config.py: CUDA_COUNTERS_PER_HEAD).
+constexpr int COUNTERS_PER_HEAD = 1;
 
 struct DecodeParams {
   const void* q;
@@ -26,9 +25,9 @@ struct DecodeParams {
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
   // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges the num_parts cache parts
-  // with the fresh tokens (if any), adds the sinks, rotates back and writes out.
-  int* counters;          // [B * Hkv * COUNTERS_PER_HEAD] zeros; each merge leaves its counters at zero again
-  int merge_group;        // parts per group of a two-level merge; >= num_parts: one level
+  // with the fresh tokens (if any), adds the sinks, rotates back and writes out.  Without counters the decode
+  // launch only writes the parts, and merge_rows (a launch of its own) does the rest.
+  int* counters;          // [B * Hkv * COUNTERS_PER_HEAD] zeros; each merge leaves its counter at zero again
   void* out;              // [B, Hq, Tq, D] contiguous, q's dtype
   const float* sinks;     // [Hq] or nullptr
   // Fresh tokens (has_fresh): k, v [B, Hkv, Tq, D] in q's dtype, sharing strides, attended in full precision by the
@@ -81,6 +80,12 @@ int launch_decode_d256_exact(const turboattn::DecodeParams& params, int k_bits, 
                              void* stream);
 int launch_decode_d512_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                              void* stream);
+// The merge in a launch of its own (decode.cuh: merge_rows), after a decode launch without counters: one CTA per
+// output row.  The CUDA error code (0: none).
+int launch_merge_d64(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
+int launch_merge_d128(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
+int launch_merge_d256(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
+int launch_merge_d512(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
 // CTAs per SM the kernel of that shape (exact: the build for caches with exact rows) is built for (its launch
 // bound), or -1.
 int ctas_per_sm_d64(int k_bits, int v_bits, bool exact);

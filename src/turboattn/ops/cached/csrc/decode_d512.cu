@@ -11,3 +11,7 @@ int launch_decode_d512(const turboattn::DecodeParams& params, int k_bits, int v_
 int ctas_per_sm_d512(int k_bits, int v_bits, bool exact) {
   return turboattn::ctas_per_sm_for<512>(k_bits, v_bits, exact);
 }
+
+int launch_merge_d512(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream) {
+  return turboattn::launch_merge<512>(params, batch_kv_heads, static_cast<cudaStream_t>(stream));
+}

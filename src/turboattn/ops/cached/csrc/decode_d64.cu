@@ -11,3 +11,7 @@ int launch_decode_d64(const turboattn::DecodeParams& params, int k_bits, int v_b
 int ctas_per_sm_d64(int k_bits, int v_bits, bool exact) {
   return turboattn::ctas_per_sm_for<64>(k_bits, v_bits, exact);
 }
+
+int launch_merge_d64(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream) {
+  return turboattn::launch_merge<64>(params, batch_kv_heads, static_cast<cudaStream_t>(stream));
+}
