@@ -791,6 +791,38 @@ __device__ __forceinline__ void sum_parts_in_flight(const float4* o, Step step, 
   }
 }
 
+// A merged row's last steps, by one warp: the rotation back x = signs * H y / sqrt(D), the fresh tokens' weighted
+// values (in the model's domain, weights fresh_w[j] for the tokens j <= t that query token t sees) over the same
+// denominator as the cached parts, and the store in q's dtype at out_row.  y: the row in the rotated domain.
+template <int D>
+__device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y, const float* signs,
+                                           const float* fresh_w, float denom, long long kv0, int t, size_t out_row,
+                                           int lane) {
+  constexpr int N = D / 32;
+  float v[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = y[lane * N + i];
+  hadamard_warp<D, true>(v, lane);
+  const float norm = rsqrtf((float)D);
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
+  if (p.has_fresh && denom != 0.f) {
+    float fresh[N] = {};
+#pragma unroll 1
+    for (int j = 0; j <= t; ++j) {
+      const float w = fresh_w[j];
+      if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
+      float x[N];
+      load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, x);
+#pragma unroll
+      for (int i = 0; i < N; ++i) fresh[i] += w * x[i];
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
+  }
+  store_row<N>(p.out, p.q_dtype, out_row + lane * N, v);
+}
+
 // The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
 // log2-sum-exp (plus the sink logit in the denominator), then the rotation back x = signs * H y / sqrt(D), cast to
 // q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
@@ -976,33 +1008,11 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   __syncthreads();
   TURBOATTN_STAMP(15);
   // Rotation back, one row per warp, and the store.
-  constexpr int N = D / 32;
-  const float norm = rsqrtf((float)D);
   const int hq = p.num_kv_heads * p.group;
   for (int r = warp; r < rows; r += WARPS) {
     const int t = r / p.group, head = kvh * p.group + r % p.group;
-    float v[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = y[r * D + lane * N + i];
-    hadamard_warp<D, true>(v, lane);
-    const float denom = denominator[r];
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
-    if (p.has_fresh && denom != 0.f) {  // the fresh tokens' weighted values, in the model's domain
-      float fresh[N] = {};
-#pragma unroll 1
-      for (int j = 0; j <= t; ++j) {
-        const float w = fresh_p[r * MAX_ROWS + j];
-        if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
-        float x[N];
-        load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, x);
-#pragma unroll
-        for (int i = 0; i < N; ++i) fresh[i] += w * x[i];
-      }
-#pragma unroll
-      for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
-    }
-    store_row<N>(p.out, p.q_dtype, (((size_t)b * hq + head) * p.tq + t) * D + lane * N, v);
+    finish_row<D>(p, y + r * D, signs, fresh_p + r * MAX_ROWS, denominator[r], kv0, t,
+                  (((size_t)b * hq + head) * p.tq + t) * D, lane);
   }
 }
 
@@ -1793,7 +1803,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
 constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
 template <int D>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p) {
-  constexpr int D4 = D / 4, SETS = MERGE_THREADS / D4, WARPS_M = MERGE_THREADS / 32, N = D / 32;
+  constexpr int D4 = D / 4, SETS = MERGE_THREADS / D4, WARPS_M = MERGE_THREADS / 32;
   __shared__ float weight[MAX_PARTS];
   __shared__ __align__(16) float4 set_sum[SETS * D4];
   __shared__ float y[D];
@@ -1890,30 +1900,8 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   }
   __syncthreads();
   if (warp != 0) return;
-  // Rotation back, the fresh tokens' values (in the model's domain), the store.
-  float v[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = y[lane * N + i];
-  hadamard_warp<D, true>(v, lane);
-  const float norm = rsqrtf((float)D), denom = denominator;
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] *= p.signs[lane * N + i] * norm;
-  if (p.has_fresh && denom != 0.f) {
-    float fresh[N] = {};
-#pragma unroll 1
-    for (int j = 0; j <= t; ++j) {
-      const float w = fresh_s[j];
-      if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
-      float xv[N];
-      load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, xv);
-#pragma unroll
-      for (int i = 0; i < N; ++i) fresh[i] += w * xv[i];
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
-  }
   const int hq = p.num_kv_heads * p.group;
-  store_row<N>(p.out, p.q_dtype, (((size_t)b * hq + head) * p.tq + t) * D + lane * N, v);
+  finish_row<D>(p, y, p.signs, fresh_s, denominator, kv0, t, (((size_t)b * hq + head) * p.tq + t) * D, lane);
 }
 
 // (A programmatic dependent launch, so that the merge's CTAs start as the decode launch's end, measured no faster.)
