@@ -69,11 +69,12 @@ CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 
 # floats each), counted in by one arrival counter per (sequence, KV head) (csrc/decode.h's COUNTERS_PER_HEAD; a GPU
 # test compares them).  From CUDA_MERGE_APART floats of parts per (sequence, KV head) a second launch merges them
 # instead, one CTA per output row (csrc/decode.cuh: merge_rows), so that a head's parts stream through as many SMs
-# as it has rows.  The bound comes from both merges on 19 shapes (H200, k4v4, benchmarks/decode_merge_apart_h200.json):
-# apart, one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 took 38.9 against 45.2 us, 4 rows x 128 parts at
-# D = 256 15.9 against 21.3, 4 rows x 64 parts at D = 128 17.9 against 19.8; at 16K floats 0.97-1.00 of the fused
-# time; below, slower (8 sequences x 3 KV heads x 3 rows x 22 parts at D = 64: 22.0 against 20.1; 32 x 8 heads x 2
-# parts at D = 128: 125.7 against 99.7), the second launch costing more than the tail's merges.
+# as it has rows.  The bound comes from both merges on 19 shapes (H200, k4v4,
+# benchmarks/decode_merge_apart_h200.json): apart, one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 took
+# 38.9 against 45.2 us, 4 rows x 128 parts at D = 256 15.9 against 21.3, 4 rows x 64 parts at D = 128 17.9 against
+# 19.8; at 16K floats 0.97-1.00 of the fused time; below, slower (8 sequences x 3 KV heads x 3 rows x 22 parts at
+# D = 64: 22.0 against 20.1; 32 x 8 heads x 2 parts at D = 128: 125.7 against 99.7), the second launch costing more
+# than the tail's merges.
 CUDA_COUNTERS_PER_HEAD = 1
 CUDA_MERGE_APART = 16 * 1024
 

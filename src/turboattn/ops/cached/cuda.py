@@ -5,10 +5,10 @@ One launch covers the cache splits and, while the parts are small, their merge: 
 window, exact first tokens), the plan's exact_parts more CTAs per (sequence, KV head) attend them in full precision
 (at most config.cuda_exact_parts), each one more part; the last CTA of each sequence x KV head attends the fresh k/v
 tokens (when given) in full precision, merges them with the parts, adds the sinks, rotates back and casts.  Larger
-parts (config.cuda_merge_apart) are merged the same way by a second launch, one CTA per output row.  Calls the kernel does not serve (other bit pairs or head dims, more than 8
-query rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which
-the extension's launches do without: they guard themselves.  The extension is built with nvcc on first use
-(ops/cuda_extension.py), for the GPUs this process sees.
+parts (config.cuda_merge_apart) are merged the same way by a second launch, one CTA per output row.  Calls the
+kernel does not serve (other bit pairs or head dims, more than 8 query rows per KV head, GPUs before sm_80) go to
+the Triton path, under the device guard (ops/guard.py), which the extension's launches do without: they guard
+themselves.  The extension is built with nvcc on first use (ops/cuda_extension.py), for the GPUs this process sees.
 """
 
 from __future__ import annotations

@@ -1824,11 +1824,14 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   const float4* o = reinterpret_cast<const float4*>(p.o_part + first * D) + f;
   const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of the row
   float4 x[MERGE_BATCH];
+  auto load_batch = [&](int q0) {  // parts q0 + set, q0 + set + SETS, ...
 #pragma unroll
-  for (int j = 0; j < MERGE_BATCH; ++j) {
-    const int q = set + j * SETS;
-    x[j] = q < parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+    for (int j = 0; j < MERGE_BATCH; ++j) {
+      const int q = q0 + set + j * SETS;
+      x[j] = q < parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  load_batch(0);
   // The row maximum over the parts' log2-sum-exps (staged in `weight`), the sink and the fresh tokens.
   float mx = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
   const float sink = mx;
@@ -1875,13 +1878,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   // The weighted sum of this thread's parts, in order.
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int q0 = 0; q0 < parts; q0 += MERGE_BATCH * SETS) {
-    if (q0 > 0) {
-#pragma unroll
-      for (int j = 0; j < MERGE_BATCH; ++j) {
-        const int q = q0 + set + j * SETS;
-        x[j] = q < parts ? __ldcg(o + q * step) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
+    if (q0 > 0) load_batch(q0);
 #pragma unroll
     for (int j = 0; j < MERGE_BATCH; ++j) {
       const int q = q0 + set + j * SETS;
