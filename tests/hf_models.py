@@ -53,7 +53,8 @@ def _build(cls, cfg, attn):
 class FakeQuantLayer(DynamicLayer):
     """Reference: stores dequantize(quantize(k, v)); returns full-precision fresh K/V after the first chunk
     only in decode mode (strict mode returns them quantized too).  With a key transform (shift, gain
-    [B, Hkv, D]) the keys are coded as (k - shift) * gain and mapped back after decoding."""
+    [B, Hkv, D], and a channel order or None) the keys are coded as ((k - shift) * gain)[order] and mapped back
+    after decoding."""
 
     def __init__(self, codec: KVCodec, strict: bool, transform=None):
         super().__init__()
@@ -61,9 +62,15 @@ class FakeQuantLayer(DynamicLayer):
 
     def _round_trip(self, x, kind):
         if kind == "k" and self.transform is not None:
-            shift, gain = (t[:, :, None] for t in self.transform)
-            coded = self.codec.quantize((x - shift) * gain, kind)
-            return (self.codec.dequantize(coded, kind) / gain + shift).to(x.dtype)
+            shift, gain, order = self.transform
+            stored = (x - shift[:, :, None]) * gain[:, :, None]
+            if order is not None:
+                index = order.long()[:, :, None, :].expand(stored.shape)
+                stored = stored.gather(-1, index)
+            decoded = self.codec.dequantize(self.codec.quantize(stored, kind), kind)
+            if order is not None:
+                decoded = torch.empty_like(decoded).scatter_(-1, index, decoded)
+            return (decoded / gain[:, :, None] + shift[:, :, None]).to(x.dtype)
         return self.codec.dequantize(self.codec.quantize(x, kind), kind, x.dtype)
 
     def update(self, k, v, *args, **kwargs):
@@ -82,7 +89,10 @@ class FakeQuantLayer(DynamicLayer):
 def fake_quant_cache(model, bits, strict=False, fitted=None):
     """The reference cache; `fitted` (a TurboQuantCache that has run) lends each layer its key transform."""
     head_dim = model.config.head_dim
-    codec = KVCodec(head_dim, bits[0], bits[1])
+    if isinstance(bits[0], tuple):   # keys in channel groups
+        codec = KVCodec(head_dim, None, bits[1], key_groups=bits[0])
+    else:
+        codec = KVCodec(head_dim, bits[0], bits[1])
     n = model.config.num_hidden_layers
     transforms = [None] * n if fitted is None else [key_transform(layer) for layer in fitted.layers]
     return Cache(layers=[FakeQuantLayer(codec, strict, transforms[i]) for i in range(n)])
@@ -90,7 +100,7 @@ def fake_quant_cache(model, bits, strict=False, fitted=None):
 
 def key_transform(layer):
     c = layer.cache
-    return None if c.key_gain is None else (c.key_shift, c.key_gain)
+    return None if c.key_gain is None else (c.key_shift, c.key_gain, c.key_order)
 
 
 def teacher_forced_logits(model, ids, cache, prefill, step=1):

@@ -213,7 +213,7 @@ def _checked_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor
 
     # Under torch.compile with dynamic shapes (dynamic=True, or shapes that changed between calls) q's sizes are
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
-    impl = choose("cached_attention", backend, device, codec.head_dim)
+    impl = choose("cached_attention", backend, device, codec.head_dim, codec.grouped_keys)
     layout = cache.layout
     k_bits, v_bits = codec.k_bits, codec.v_bits
     if plan is not None:

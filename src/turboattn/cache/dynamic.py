@@ -20,7 +20,9 @@ Two ways to know the lengths:
 
 An optional key transform (key_transform.py: shift and gain [B, Hkv, D]) is
 set while the cache is empty; keys are then stored as (k - shift) * gain, and
-`dequantize` undoes it, so every reader sees keys in the model's domain.
+`dequantize` undoes it, so every reader sees keys in the model's domain.  With
+keys in channel groups (codec.key_groups) the transform also carries the
+channel order the groups take (`key_order`).
 
 A K or V vector holding a NaN or infinity is stored as NaN (codec.quantize), so it reaches the
 outputs of exactly the queries that see it; `nonfinite` counts such vectors per sequence on the
@@ -54,7 +56,7 @@ from operator import add
 import torch
 
 from ..format.codec import ATTENTION_DTYPES, META_DEVICE, KVCodec, check_attention_dtype
-from ..format.key_transform import check_key_transform, from_stored_keys, to_stored_keys
+from ..format.key_transform import check_key_order, check_key_transform, from_stored_keys, to_stored_keys
 from ..format.layout import CacheLayout, dequantize_slots, recent_positions, slot_positions
 from ..ops import backend as registry
 from ..ops.backend import check_backend, choose
@@ -125,14 +127,13 @@ class QuantizedKVCache:
         self.sliding_window = sliding_window
 
         shape = (batch_size, num_kv_heads, capacity)
-        nb = codec.num_blocks
         self.k_codes = torch.zeros(*shape, codec.code_bytes("k"), dtype=torch.uint8, device=device)
         # The device tensors report ("cuda:0" for "cuda", "cpu" for "cpu:0"), so that
         # comparisons with the inputs' devices succeed.
         self.device = self.k_codes.device
         self.v_codes = torch.zeros(*shape, codec.code_bytes("v"), dtype=torch.uint8, device=self.device)
-        self.k_scales = torch.zeros(*shape, nb, dtype=codec.scale_dtype, device=self.device)
-        self.v_scales = torch.zeros(*shape, nb, dtype=codec.scale_dtype, device=self.device)
+        self.k_scales = torch.zeros(*shape, codec.scale_count("k"), dtype=codec.scale_dtype, device=self.device)
+        self.v_scales = torch.zeros(*shape, codec.scale_count("v"), dtype=codec.scale_dtype, device=self.device)
         self.seen = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         self.starts = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         # Vectors stored with a NaN or infinity, per sequence: counted by the quantize kernel, so that
@@ -166,6 +167,7 @@ class QuantizedKVCache:
         self.key_shift: torch.Tensor | None = None
         self.key_gain: torch.Tensor | None = None
         self.key_gain_inv: torch.Tensor | None = None   # 1 / gain, what the kernels multiply q by
+        self.key_order: torch.Tensor | None = None      # keys in channel groups: their channel order (layout.py)
         self._key_shifted = False
         self._key_buffers: tuple[torch.Tensor, ...] | None = None   # static: the transform's fixed storage
         self._layouts: tuple[CacheLayout, CacheLayout | None] | None = None   # `layout`'s, see _layout_views
@@ -190,7 +192,7 @@ class QuantizedKVCache:
         return CacheLayout(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.seen, self.starts,
                            self.sliding_window, self.key_shift, self.key_gain, self.key_gain_inv, self._key_shifted,
                            self.nonfinite, self.merge_counters, self.recent_k, self.recent_v, self.exact_recent,
-                           self.first_k, self.first_v, self.exact_first)
+                           self.first_k, self.first_v, self.exact_first, self.key_order)
 
     def _layout_views(self) -> tuple[CacheLayout, CacheLayout | None]:
         """(layout, the same without the exact first rows: what an append takes once every first row is written;
@@ -289,9 +291,9 @@ class QuantizedKVCache:
 
     @property
     def key_transform_nbytes(self) -> int:
-        """Bytes of the key transform (shift, gain, 1/gain), a fixed cost independent of length."""
-        return sum(t.numel() * t.element_size() for t in (self.key_shift, self.key_gain, self.key_gain_inv)
-                   if t is not None)
+        """Bytes of the key transform (shift, gain, 1/gain, channel order), a fixed cost independent of length."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.key_shift, self.key_gain, self.key_gain_inv, self.key_order) if t is not None)
 
     def reset(self) -> None:
         """Empty the cache for new sequences (the key transform goes too: it was fitted to the old ones).
@@ -308,7 +310,7 @@ class QuantizedKVCache:
         if not self.is_static:
             self._seen_host = [0] * self.batch_size
         self._empty = True
-        self.key_shift = self.key_gain = self.key_gain_inv = None
+        self.key_shift = self.key_gain = self.key_gain_inv = self.key_order = None
         self._key_shifted = False
         self._tensors_changed()
 
@@ -326,8 +328,10 @@ class QuantizedKVCache:
         """Whether the key transform shifts keys (a host flag: decode steps stay free of syncs)."""
         return self._key_shifted
 
-    def set_key_transform(self, shift: torch.Tensor, gain: torch.Tensor) -> None:
-        """Store keys as (k - shift) * gain from now on; shift, gain [B, Hkv, D] (key_transform.py).
+    def set_key_transform(self, shift: torch.Tensor, gain: torch.Tensor, order: torch.Tensor | None = None) -> None:
+        """Store keys as (k - shift) * gain from now on; shift, gain [B, Hkv, D] (key_transform.py).  With keys in
+        channel groups, `order` (int16 [B, Hkv, D], key_transform.fit_key_order) sets which channels each group
+        takes (None: the model's order).
 
         Only an empty cache accepts one: keys already stored were coded without it.  A static cache
         copies it into storage of its own, so that its address stays fixed across reset() and prompts.
@@ -335,7 +339,15 @@ class QuantizedKVCache:
         if not self.is_empty:
             raise ValueError("set_key_transform needs an empty cache: "
                              f"it already holds up to {self.max_seen} tokens per sequence")
-        check_key_transform(shift, gain, (self.batch_size, self.num_kv_heads, self.codec.head_dim), self.device)
+        shape = (self.batch_size, self.num_kv_heads, self.codec.head_dim)
+        check_key_transform(shift, gain, shape, self.device)
+        if order is not None:
+            if not self.codec.grouped_keys:
+                raise ValueError("a key order is for keys in channel groups (KVCodec(key_groups=...)); this "
+                                 f"cache codes keys at k_bits={self.codec.k_bits}")
+            check_key_order(order, shape, self.device)
+            order = order.clone(memory_format=torch.contiguous_format)   # batch edits write into it
+        self.key_order = order
         shift, gain = shift.to(torch.float32), gain.to(torch.float32)
         if self.is_static:
             if self._key_buffers is None:
@@ -355,7 +367,7 @@ class QuantizedKVCache:
 
     def stored_keys(self, k: torch.Tensor) -> torch.Tensor:
         """k [B, Hkv, T, D] as the cache codes it: (k - shift) * gain in float32, or k without a transform."""
-        return k if self.key_gain is None else to_stored_keys(k, self.key_shift, self.key_gain)
+        return k if self.key_gain is None else to_stored_keys(k, self.key_shift, self.key_gain, self.key_order)
 
     def set_left_padding(self, num_padding: Sequence[int] | torch.Tensor) -> None:
         """Mark the first num_padding[b] positions of sequence b as padding (never attended).
@@ -487,7 +499,8 @@ class QuantizedKVCache:
         # A static cache keeps its storage (addresses included, for CUDA graphs) while B stays, as in beam search.
         in_place = self.is_static and len(idx) == self.batch_size
         for name in ("k_codes", "v_codes", "k_scales", "v_scales", "seen", "starts", "nonfinite", "merge_counters",
-                     "key_shift", "key_gain", "key_gain_inv", "recent_k", "recent_v", "first_k", "first_v"):
+                     "key_shift", "key_gain", "key_gain_inv", "key_order", "recent_k", "recent_v", "first_k",
+                     "first_v"):
             t = getattr(self, name)
             if t is not None:
                 picked = t.index_select(0, idx_dev)
@@ -603,7 +616,7 @@ class QuantizedKVCache:
             if worst > self.capacity:
                 raise ValueError(f"append of {t} tokens would overflow the cache: a sequence would hold "
                                  f"{worst} tokens, capacity is {self.capacity}")
-        impl = choose("quantize_append", backend, k.device, codec.head_dim)
+        impl = choose("quantize_append", backend, k.device, codec.head_dim, codec.grouped_keys)
         # One op stores the codes (a static cache that runs out of room: only the tokens that fit), the exact rows,
         # and advances `seen` on the device (no host-to-device copy: decode steps stay capturable in a CUDA graph).
         n_dev = None if new_lengths is None else torch.tensor(n, dtype=torch.int32, device=self.device)
@@ -647,7 +660,7 @@ class QuantizedKVCache:
         """(registry generation, the launcher for the layout, the one for the layout without the first rows or None),
         for _append_validated until the tensors change (_tensors_changed) or the registry does."""
         codec = self.codec
-        impl = choose("quantize_append", "auto", device, codec.head_dim)
+        impl = choose("quantize_append", "auto", device, codec.head_dim, codec.grouped_keys)
         layout, without_first = self._layout_views()
         launches = self._append_launches = (
             registry.generation, append_launcher(layout, codec, impl),
@@ -685,7 +698,7 @@ class QuantizedKVCache:
         codec = self.codec
         k_hat = codec.dequantize(codec.quantize(self.stored_keys(k), "k"), "k", torch.float32)
         if self.key_gain is not None:
-            k_hat = from_stored_keys(k_hat, self.key_shift, self.key_gain)
+            k_hat = from_stored_keys(k_hat, self.key_shift, self.key_gain, self.key_order)
         return k_hat.to(k.dtype), codec.dequantize(codec.quantize(v, "v"), "v", v.dtype)
 
     def __repr__(self) -> str:
@@ -698,6 +711,6 @@ class QuantizedKVCache:
         if self.exact_recent or self.exact_first:
             kind += f" ({str(self.exact_dtype).removeprefix('torch.')})"
         return (f"QuantizedKVCache(B={self.batch_size}, Hkv={self.num_kv_heads}, {kind}, "
-                f"k{self.codec.k_bits}v{self.codec.v_bits}, D={self.codec.head_dim}, "
+                f"{self.codec.name}, D={self.codec.head_dim}, "
                 f"{'key transform, ' if self.key_gain is not None else ''}"
                 f"{self.nbytes / 2**20:.2f} MiB)")

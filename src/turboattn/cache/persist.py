@@ -17,6 +17,8 @@ Scales in bfloat16 (KVCodec(scale_dtype=torch.bfloat16)) are stored as such, wit
 A cache with exact first tokens (exact_first = S > 0) adds `first_k`, `first_v` [B, Hkv, S, D] in the
 exact dtype and the metadata `exact_first`, `exact_dtype`; such a file has file_version 3 (a reader
 that knows only the window refuses it); files of versions 1, 2 and 3 load.
+A cache with keys in channel groups (KVCodec(key_groups=...)) has the metadata `key_groups` ("112x6+144x4")
+and `k_bits` "none", adds `key_order` [B, Hkv, D] int16 to its key transform, and has file_version 4.
 
 Loading checks the kind and both versions, then every tensor's dtype and shape against the header,
 and raises ValueError naming what differs.  `cache_state` / `cache_from_state` take a key prefix, so
@@ -32,13 +34,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..format.codec import FORMAT_VERSION, SCALE_DTYPES, KVCodec
+from ..format.codec import FORMAT_VERSION, SCALE_DTYPES, KVCodec, key_groups_name, parse_key_groups
 from .dynamic import QuantizedKVCache
 
 KIND = "turboattn.QuantizedKVCache"
 FILE_VERSION = 2          # the version a cache with an exact recent window is written with
 FIRST_FILE_VERSION = 3    # the version a cache with exact first tokens is written with (a window or not)
-FILE_VERSIONS = (1, 2, 3)  # what loads: 1 is a file without exact buffers (what caches without them still write)
+GROUPS_FILE_VERSION = 4  # the version a cache with keys in channel groups is written with
+FILE_VERSIONS = (1, 2, 3, 4)  # what loads: 1 is a file without exact buffers (what caches without them still write)
 _EXACT_DTYPES = {str(t): t for t in (torch.float16, torch.bfloat16, torch.float32)}
 _SCALE_DTYPES = {str(t): t for t in SCALE_DTYPES}
 _SLOTS = ("k_codes", "k_scales", "v_codes", "v_scales")
@@ -55,14 +58,19 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
     tensors.update({name: getattr(cache, name) for name in _PER_SEQUENCE})
     if cache.key_gain is not None:
         tensors.update({name: getattr(cache, name) for name in _KEY_TRANSFORM})
+    if cache.key_order is not None:
+        tensors.update(key_order=cache.key_order)
     if cache.exact_recent:
         tensors.update(recent_k=cache.recent_k, recent_v=cache.recent_v)
     if cache.exact_first:
         tensors.update(first_k=cache.first_k, first_v=cache.first_v)
     codec = cache.codec
     version = FIRST_FILE_VERSION if cache.exact_first else FILE_VERSION if cache.exact_recent else 1
+    if codec.grouped_keys:
+        version = GROUPS_FILE_VERSION
     meta = {"kind": KIND, "file_version": version, "format_version": FORMAT_VERSION,
-            "head_dim": codec.head_dim, "k_bits": codec.k_bits, "v_bits": codec.v_bits,
+            "head_dim": codec.head_dim, "k_bits": "none" if codec.k_bits is None else codec.k_bits,
+            "v_bits": codec.v_bits,
             "scale_rule": codec.scale_rule, "batch_size": cache.batch_size, "num_kv_heads": cache.num_kv_heads,
             "capacity": cache.capacity, "sliding_window": "none" if cache.sliding_window is None
             else cache.sliding_window, "static": cache.is_static}
@@ -72,6 +80,8 @@ def cache_state(cache: QuantizedKVCache, prefix: str = "") -> tuple[dict[str, to
         meta.update(scale_dtype=str(codec.scale_dtype))
     if cache.exact_first:
         meta.update(exact_first=cache.exact_first, exact_dtype=str(cache.exact_dtype))
+    if codec.grouped_keys:
+        meta.update(key_groups=key_groups_name(codec.key_groups))
     # safetensors wants contiguous tensors that share no storage; the file is written from the host.
     return ({prefix + k: t.detach().contiguous().cpu() for k, t in tensors.items()},
             {prefix + k: str(v) for k, v in meta.items()})
@@ -105,8 +115,16 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
         raise ValueError(f"{source}: metadata {prefix + 'scale_dtype'!r} must be one of {sorted(_SCALE_DTYPES)}, "
                          f"got {scale_dtype!r}")
     try:
-        codec = KVCodec(integer("head_dim"), integer("k_bits"), integer("v_bits"), header("scale_rule"),
-                        _SCALE_DTYPES[scale_dtype])
+        key_groups = meta.get(prefix + "key_groups")   # files before version 4 have none
+        if key_groups is None:
+            codec = KVCodec(integer("head_dim"), integer("k_bits"), integer("v_bits"), header("scale_rule"),
+                            _SCALE_DTYPES[scale_dtype])
+        else:
+            if header("k_bits") != "none":
+                raise ValueError(f"metadata {prefix + 'k_bits'!r} must be 'none' with key_groups, "
+                                 f"got {header('k_bits')!r}")
+            codec = KVCodec(integer("head_dim"), None, integer("v_bits"), header("scale_rule"),
+                            _SCALE_DTYPES[scale_dtype], parse_key_groups(key_groups))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     window = None if header("sliding_window") == "none" else integer("sliding_window")
@@ -147,9 +165,10 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
         raise ValueError(f"{source}: {e}") from None
     if cache.capacity != capacity:
         raise ValueError(f"{source}: capacity {capacity} differs from sliding_window={window}")
-    nb = codec.num_blocks
-    for name, dtype, last in (("k_codes", torch.uint8, codec.code_bytes("k")), ("k_scales", codec.scale_dtype, nb),
-                              ("v_codes", torch.uint8, codec.code_bytes("v")), ("v_scales", codec.scale_dtype, nb)):
+    for name, dtype, last in (("k_codes", torch.uint8, codec.code_bytes("k")),
+                              ("k_scales", codec.scale_dtype, codec.scale_count("k")),
+                              ("v_codes", torch.uint8, codec.code_bytes("v")),
+                              ("v_scales", codec.scale_dtype, codec.scale_count("v"))):
         getattr(cache, name)[:, :, :held] = tensor(name, dtype, (b, hkv, held, last)).to(device)
     present = [prefix + name in tensors for name in _KEY_TRANSFORM]
     if any(present) and not all(present):
@@ -157,7 +176,13 @@ def cache_from_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
     if all(present):  # set while the cache is still empty; 1 / gain as saved: bit for bit
         shift, gain, gain_inv = (tensor(n, torch.float32, (b, hkv, codec.head_dim)).to(device)
                                  for n in _KEY_TRANSFORM)
-        cache.set_key_transform(shift, gain)
+        order = None
+        if prefix + "key_order" in tensors:
+            order = tensor("key_order", torch.int16, (b, hkv, codec.head_dim)).to(device)
+        try:
+            cache.set_key_transform(shift, gain, order)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
         cache.key_gain_inv.copy_(gain_inv)
     for name in ("recent_k", "recent_v") if exact_recent else ():
         getattr(cache, name).copy_(tensor(name, exact_dtype, (b, hkv, exact_recent + 1, codec.head_dim)))

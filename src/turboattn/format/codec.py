@@ -6,6 +6,12 @@ blocks (min(D, 256) coordinates for a power of two), store one float32 scale per
 Lloyd–Max cell index of every coordinate of u = y / rms(y_block), bit-packed
 with no wasted bits.  DESIGN.md describes the format; this module is its
 definition, and the fused kernels must reproduce it.
+
+Keys in channel groups (`key_groups`, e.g. ((112, 6), (144, 4))): the key's channels, in the order the cache
+stores them (the key transform's `order` puts the highest-variance channels first), are cut into two consecutive
+groups, and each group is coded as a vector of its own width at its own bits (its own rotation and scale).  A
+key's codes are the groups' codes one after the other, its scales one per group.  More bits where the keys'
+energy is lowers the scores' error at the same bytes (QUALITY.md).
 """
 
 from __future__ import annotations
@@ -159,17 +165,59 @@ def unpack_codes(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     return idx
 
 
+def _check_bits(name: str, bits) -> None:
+    # `4.0 in SUPPORTED_BITS` is True, and a float width breaks every size computation.
+    if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
 def check_coding_options(k_bits, v_bits, scale_rule, scale_dtype=torch.float32) -> None:
-    """ValueError unless the bit widths, scale rule and scale dtype are ones the format has (head_dim aside)."""
-    for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
-        # `4.0 in SUPPORTED_BITS` is True, and a float width breaks every size computation.
-        if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
-            raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+    """ValueError unless the bit widths, scale rule and scale dtype are ones the format has (head_dim aside).
+    k_bits None: keys coded in groups (check_key_groups checks those)."""
+    if k_bits is not None:
+        _check_bits("k_bits", k_bits)
+    _check_bits("v_bits", v_bits)
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     if scale_dtype not in SCALE_DTYPES:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in SCALE_DTYPES)
         raise ValueError(f"scale_dtype must be one of {allowed}, got {scale_dtype!r}")
+
+
+def check_key_groups(key_groups, head_dim: int) -> tuple[tuple[int, int], ...]:
+    """key_groups as a tuple of (channels, bits) pairs, or ValueError: two groups (the high-variance channels and
+    the rest, as TurboQuant's paper splits them; the kernels take two), each a width the format codes with one
+    scale (a multiple of 16 from 32 to NORM_BLOCK) at a supported width, adding up to head_dim."""
+    try:
+        groups = tuple((channels, bits) for channels, bits in key_groups)
+    except (TypeError, ValueError):
+        raise ValueError(f"key_groups must be (channels, bits) pairs, got {key_groups!r}") from None
+    if len(groups) != 2:
+        raise ValueError(f"key_groups takes two groups (one group is k_bits), got {key_groups!r}")
+    for channels, bits in groups:
+        if (isinstance(channels, bool) or not isinstance(channels, Integral) or channels > NORM_BLOCK
+                or channels not in rotation.SUPPORTED_HEAD_DIMS):
+            raise ValueError(f"a key group's channels must be a multiple of {rotation.HEAD_DIM_STEP} from "
+                             f"{rotation.MIN_HEAD_DIM} to {NORM_BLOCK}, got {channels!r} in {key_groups!r}")
+        _check_bits("a key group's bits", bits)
+    if sum(channels for channels, _ in groups) != head_dim:
+        raise ValueError(f"key_groups {key_groups!r} cover {sum(c for c, _ in groups)} channels, head_dim is "
+                         f"{head_dim}")
+    return tuple((int(channels), int(bits)) for channels, bits in groups)
+
+
+def key_groups_name(key_groups) -> str:
+    """The groups as the CLI and preset names write them: ((112, 6), (144, 4)) -> "112x6+144x4"."""
+    return "+".join(f"{channels}x{bits}" for channels, bits in key_groups)
+
+
+def parse_key_groups(text: str) -> tuple[tuple[int, int], ...]:
+    """key_groups_name's inverse ("112x6+144x4"); ValueError for anything else (head_dim unchecked)."""
+    try:
+        return tuple((int(c), int(b)) for c, b in (part.split("x") for part in text.split("+")))
+    except ValueError:
+        raise ValueError(f"key groups are written CHANNELSxBITS+CHANNELSxBITS (e.g. 112x6+144x4), "
+                         f"got {text!r}") from None
 
 
 def check_attention_dtype(name: str, t: torch.Tensor) -> None:
@@ -184,14 +232,40 @@ class KVCodec:
     """Frozen description of the compressed K/V format for one head_dim."""
 
     head_dim: int
-    k_bits: int = 4
+    k_bits: int | None = 4                      # None with key_groups
     v_bits: int = 4
     scale_rule: str = "corrected"
     scale_dtype: torch.dtype = torch.float32    # how scales are stored (SCALE_DTYPES)
+    # Keys in channel groups (module docstring): ((channels, bits), ...), or () for one width (k_bits).
+    key_groups: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         rotation.check_head_dim(self.head_dim)
+        if self.key_groups:
+            object.__setattr__(self, "key_groups", check_key_groups(self.key_groups, self.head_dim))
+            if self.k_bits is not None:
+                raise ValueError(f"key_groups set the keys' widths: pass k_bits=None, got k_bits={self.k_bits!r}")
+        elif self.k_bits is None:
+            raise ValueError("k_bits=None needs key_groups (the keys' widths)")
         check_coding_options(self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype)
+
+    @property
+    def grouped_keys(self) -> bool:
+        """Whether keys are coded in channel groups (which no fused kernel reads yet: ops/backend.py)."""
+        return bool(self.key_groups)
+
+    @cached_property
+    def key_group_codecs(self) -> tuple[KVCodec, ...]:
+        """One codec per key group (its width, its bits for K and V, this codec's scale rule and dtype): a group
+        is coded exactly as a key of that head_dim."""
+        return tuple(KVCodec(channels, bits, bits, self.scale_rule, self.scale_dtype)
+                     for channels, bits in self.key_groups)
+
+    @property
+    def name(self) -> str:
+        """"k4v3", or with key groups "k112x6+144x4v3"."""
+        keys = key_groups_name(self.key_groups) if self.key_groups else str(self.k_bits)
+        return f"k{keys}v{self.v_bits}"
 
     # -- format geometry -------------------------------------------------
     @property
@@ -206,6 +280,8 @@ class KVCodec:
 
     def bits(self, kind: Kind) -> int:
         if kind == "k":
+            if self.key_groups:
+                raise ValueError(f"keys coded in groups ({key_groups_name(self.key_groups)}) have no single width")
             return self.k_bits
         if kind == "v":
             return self.v_bits
@@ -213,12 +289,21 @@ class KVCodec:
 
     def code_bytes(self, kind: Kind) -> int:
         """Packed code bytes per vector."""
+        if kind == "k" and self.key_groups:
+            return sum(channels * bits // 8 for channels, bits in self.key_groups)
         return self.head_dim * self.bits(kind) // 8
+
+    def scale_count(self, kind: Kind) -> int:
+        """Scales per vector: one per norm block, or one per key group."""
+        if kind == "k" and self.key_groups:
+            return len(self.key_groups)
+        self.bits(kind)  # validates kind
+        return self.num_blocks
 
     def bytes_per_token(self) -> int:
         """K+V bytes (codes and scales) for one token of one KV head."""
-        scale_bytes = self.scale_dtype.itemsize * self.num_blocks
-        return self.code_bytes("k") + self.code_bytes("v") + 2 * scale_bytes
+        scale_bytes = self.scale_dtype.itemsize * (self.scale_count("k") + self.scale_count("v"))
+        return self.code_bytes("k") + self.code_bytes("v") + scale_bytes
 
     def bits_per_element(self) -> float:
         """Average stored bits per K/V element, scales included."""
@@ -280,6 +365,8 @@ class KVCodec:
         infinity is stored as codes 0 and NaN scales, so it decodes to NaN: never to a finite value.
         """
         self._check_input(x)
+        if kind == "k" and self.key_groups:
+            return self._quantize_key_groups(x)
         self.bits(kind)  # validates kind before any work
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         # Contiguous: a reduction over a strided view may add in another order, and a transposed or sliced
@@ -295,9 +382,41 @@ class KVCodec:
             scales = scales.to(self.scale_dtype)   # rounded to nearest, as the kernels store them
         return Packed(pack_codes(idx, self.bits(kind)), scales)
 
+    def _quantize_key_groups(self, x: torch.Tensor) -> Packed:
+        """Keys in channel groups: each group coded as a key of its own width, codes and scales side by side.  A
+        key holding a NaN or an infinity anywhere is stored as codes 0 and NaN scales in every group."""
+        finite = torch.isfinite(x).all(dim=-1, keepdim=True)
+        codes, scales = [], []
+        for group, (lo, hi) in zip(self.key_group_codecs, self._key_group_bounds()):
+            packed = group.quantize(x[..., lo:hi], "k")
+            codes.append(packed.codes)
+            scales.append(packed.scales)
+        codes, scales = torch.cat(codes, dim=-1), torch.cat(scales, dim=-1)
+        return Packed(torch.where(finite, codes, torch.zeros_like(codes)),
+                      torch.where(finite, scales, torch.full_like(scales, float("nan"))))
+
+    def _key_group_bounds(self) -> list[tuple[int, int]]:
+        """Each key group's channels [lo, hi) of the stored key."""
+        bounds, lo = [], 0
+        for channels, _ in self.key_groups:
+            bounds.append((lo, lo + channels))
+            lo += channels
+        return bounds
+
+    def _key_group_packed(self, packed: Packed):
+        """(group codec, its Packed) for each key group of a grouped key's Packed."""
+        code_lo, scale = 0, 0
+        for group in self.key_group_codecs:
+            code_hi = code_lo + group.code_bytes("k")
+            yield group, Packed(packed.codes[..., code_lo:code_hi], packed.scales[..., scale:scale + 1])
+            code_lo, scale = code_hi, scale + 1
+
     def unpack(self, packed: Packed, kind: Kind) -> torch.Tensor:
-        """Packed -> indices [..., D] int64, validating the packed shapes."""
+        """Packed -> indices [..., D] int64, validating the packed shapes (key groups: each group's own widths,
+        side by side)."""
         self.check_packed(packed, kind)
+        if kind == "k" and self.key_groups:
+            return torch.cat([group.unpack(part, "k") for group, part in self._key_group_packed(packed)], dim=-1)
         return unpack_codes(packed.codes, self.bits(kind), self.head_dim)
 
     def check_packed(self, packed: Packed, kind: Kind) -> None:
@@ -305,11 +424,12 @@ class KVCodec:
             raise TypeError(f"packed must be a turboattn.Packed (what quantize returns), got {type(packed).__name__}")
         want = self.code_bytes(kind)
         if packed.codes.dtype != torch.uint8 or packed.codes.shape[-1] != want:
-            raise ValueError(f"codes must be uint8 [..., {want}] for {kind}_bits={self.bits(kind)}, "
+            width = key_groups_name(self.key_groups) if kind == "k" and self.key_groups else self.bits(kind)
+            raise ValueError(f"codes must be uint8 [..., {want}] for {kind}_bits={width}, "
                              f"got {packed.codes.dtype} {tuple(packed.codes.shape)}")
-        if packed.scales.shape != (*packed.codes.shape[:-1], self.num_blocks):
-            raise ValueError(f"scales must have shape {(*packed.codes.shape[:-1], self.num_blocks)}, "
-                             f"got {tuple(packed.scales.shape)}")
+        scales = (*packed.codes.shape[:-1], self.scale_count(kind))
+        if packed.scales.shape != scales:
+            raise ValueError(f"scales must have shape {scales}, got {tuple(packed.scales.shape)}")
 
     def dequantize(self, packed: Packed, kind: Kind = "k", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Packed -> x̂ [..., D] in the original (unrotated) domain (NaN rows for NaN scales).
@@ -320,6 +440,9 @@ class KVCodec:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.check_packed(packed, kind)
+        if kind == "k" and self.key_groups:
+            return torch.cat([group.dequantize(part, "k", dtype) for group, part in self._key_group_packed(packed)],
+                             dim=-1)
         work = torch.float64 if dtype == torch.float64 else torch.float32
         scales = packed.scales.to(work)
         e = magnitude_exponent(scales)

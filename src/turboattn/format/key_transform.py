@@ -18,6 +18,11 @@ up to rounding).  Only the quantization error changes, and it shrinks:
   and keys, sum_c E[q_c^2]/g_c^2 * sum_c Var[k_c] g_c^2 is smallest at
   g_c = (E[q_c^2] / Var[k_c])^(1/4) (Cauchy-Schwarz).
 
+With keys in channel groups (codec.py), the transform also orders the channels: the stored key is
+((k - shift) * gain)[order] and attention reads (q / gain)[order], a permutation that changes no score.  The
+order puts the channels of largest variance (over the prompt's keys) first, so that the first group, the one
+with the most bits, takes them.
+
 A constant score offset is not invisible to softcap (tanh is not
 shift-invariant) or to attention sinks (the sink logit does not move with the
 keys), so there the fit keeps shift = 0 (gain alone is exact for any model).
@@ -97,6 +102,41 @@ def fit_key_transform(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | No
     return shift.to(torch.float32), gain.to(torch.float32)
 
 
+def fit_key_order(k: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """order [B, Hkv, D] int16: each (sequence, KV head)'s channels by the variance of the prompt's keys k
+    [B, Hkv, T, D], largest first (ties by channel index).  `valid` [B, T] marks real tokens; a sequence with
+    fewer than MIN_FIT_TOKENS of them keeps the identity."""
+    b, hkv, t, d = k.shape
+    if valid is not None and valid.shape != (b, t):
+        raise ValueError(f"valid must be [B={b}, T={t}], got {tuple(valid.shape)}")
+    work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    w = torch.ones(b, 1, t, 1, dtype=work, device=k.device) if valid is None else valid.to(work)[:, None, :, None]
+    n = w.sum(dim=2, keepdim=True).clamp_min(1)
+    kd = k.to(work)
+    mean = (kd * w).sum(dim=2, keepdim=True) / n
+    var = ((kd - mean).pow_(2) * w).sum(dim=2) / n[:, :, 0]                   # [B, Hkv, D]
+    # A non-finite key makes its channels' variances NaN: they sort last, as if unused.
+    var = torch.where(torch.isfinite(var), var, torch.full_like(var, -1.0))
+    order = torch.sort(var, dim=-1, descending=True, stable=True).indices
+    usable = (n[:, 0, 0, 0] >= MIN_FIT_TOKENS)[:, None, None]
+    identity = torch.arange(d, device=k.device).expand(b, hkv, d)
+    return torch.where(usable, order, identity).to(torch.int16)
+
+
+def check_key_order(order: torch.Tensor, shape: tuple[int, int, int], device) -> None:
+    """ValueError unless order is an int16 [B, Hkv, D] permutation of the channels on `device` per row."""
+    if not isinstance(order, torch.Tensor):
+        raise TypeError(f"key order must be a torch.Tensor, got {type(order).__name__}")
+    if tuple(order.shape) != shape or order.dtype != torch.int16:
+        raise ValueError(f"key order must be int16 of shape {list(shape)} ([B, Hkv, D]), "
+                         f"got {order.dtype} {tuple(order.shape)}")
+    if order.device != device:
+        raise ValueError(f"key order is on {order.device} but the cache is on {device}")
+    want = torch.arange(shape[-1], device=device)
+    if not bool((order.to(torch.int64).sort(dim=-1).values == want).all()):
+        raise ValueError("key order must hold a permutation of the channels in every [b, h] row")
+
+
 def check_key_transform(shift: torch.Tensor, gain: torch.Tensor, shape: tuple[int, int, int], device) -> None:
     for name, t in (("shift", shift), ("gain", gain)):
         if not isinstance(t, torch.Tensor):
@@ -111,20 +151,35 @@ def check_key_transform(shift: torch.Tensor, gain: torch.Tensor, shape: tuple[in
         raise ValueError("key gain must be positive")
 
 
-def to_stored_keys(k: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-    """k [B, Hkv, T, D] -> (k - shift) * gain in float32 (float64 stays float64), as the kernels compute it."""
+def _channel_index(order: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """order [B, H, D] as a gather index for x [B, H, T, D]."""
+    return order.to(torch.int64)[:, :, None, :].expand(x.shape)
+
+
+def to_stored_keys(k: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor,
+                   order: torch.Tensor | None = None) -> torch.Tensor:
+    """k [B, Hkv, T, D] -> (k - shift) * gain in float32 (float64 stays float64), as the kernels compute it; its
+    channels taken in `order` [B, Hkv, D] when given."""
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
-    return (k.to(work) - shift[:, :, None]) * gain[:, :, None]
+    stored = (k.to(work) - shift[:, :, None]) * gain[:, :, None]
+    return stored if order is None else stored.gather(-1, _channel_index(order, stored))
 
 
-def from_stored_keys(k: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+def from_stored_keys(k: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of to_stored_keys, in k's dtype (float32 or wider for the reference)."""
+    if order is not None:
+        k = torch.empty_like(k).scatter_(-1, _channel_index(order, k), k)
     return (k / gain[:, :, None].to(k.dtype) + shift[:, :, None].to(k.dtype))
 
 
-def to_stored_queries(q: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, T, D] -> q / gain of its KV head, in q's dtype."""
+def to_stored_queries(q: torch.Tensor, gain: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D] -> q / gain of its KV head (its channels in `order` of that head when given), in q's
+    dtype."""
     b, hq, t, d = q.shape
     hkv = gain.shape[1]
     q5 = q.to(torch.float32).reshape(b, hkv, hq // hkv, t, d) / gain[:, :, None, None]
+    if order is not None:
+        index = order.to(torch.int64)[:, :, None, None, :].expand(q5.shape)
+        q5 = q5.gather(-1, index)
     return q5.reshape(b, hq, t, d).to(q.dtype)

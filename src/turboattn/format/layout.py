@@ -10,7 +10,8 @@ sequence b lives in slot p (contiguous) or p mod W (ring of W = sliding
 window slots).  `seen[b]` counts tokens appended to sequence b (its next
 absolute position); positions < `starts[b]` are left padding, never attended.
 With a key transform (key_transform.py), keys are stored as (k - shift) * gain
-and attention multiplies q by gain_inv = 1 / gain.  `nonfinite[b]` counts the
+and attention multiplies q by gain_inv = 1 / gain; with keys in channel groups
+(codec.key_groups) their channels are stored in `key_order`.  `nonfinite[b]` counts the
 K/V vectors of sequence b stored with a NaN or infinity (NaN scales, see
 codec.quantize); quantize-append adds to it on the device.
 
@@ -73,6 +74,9 @@ class CacheLayout:
     first_k: torch.Tensor | None = None
     first_v: torch.Tensor | None = None
     exact_first: int = 0
+    # Keys in channel groups (codec.key_groups): the key transform's channel order [B, Hkv, D] int16 (stored
+    # channel j is the model's channel key_order[b, h, j]), or None (the model's order).
+    key_order: torch.Tensor | None = None
 
     def __post_init__(self):
         # What an op derives from the layout alone (the CUDA wrappers: their launches' fixed arguments), by the op's
@@ -163,5 +167,5 @@ def dequantize_slots(layout: CacheLayout, codec: KVCodec,
     k = codec.dequantize(Packed(layout.k_codes, layout.k_scales), "k", dtype)
     v = codec.dequantize(Packed(layout.v_codes, layout.v_scales), "v", dtype)
     if layout.has_key_transform:
-        k = from_stored_keys(k, layout.key_shift, layout.key_gain)
+        k = from_stored_keys(k, layout.key_shift, layout.key_gain, layout.key_order)
     return k, v

@@ -64,8 +64,8 @@ import torch
 
 from ..attention import cached_attention, flash_attention
 from ..cache import QuantizedKVCache
-from ..format.codec import KVCodec, check_coding_options
-from ..format.key_transform import KEY_FITS, MIN_FIT_TOKENS, fit_key_transform
+from ..format.codec import KVCodec, check_coding_options, check_key_groups
+from ..format.key_transform import KEY_FITS, MIN_FIT_TOKENS, fit_key_order, fit_key_transform, to_stored_keys
 
 ATTN_NAME = "turboattn"
 KEY_FIT_DEFAULT = "center"   # QUALITY.md: "balance" costs long-context retrieval
@@ -116,9 +116,10 @@ class TurboQuantLayer(CacheLayerMixin):
                  sliding_window: int | None = None, quantize_current: bool = False,
                  max_cache_len: int | None = None, fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int = 0,
                  exact_dtype: torch.dtype | None = None, exact_first: int = 0,
-                 scale_dtype: torch.dtype = torch.float32):
+                 scale_dtype: torch.dtype = torch.float32, key_groups: tuple[tuple[int, int], ...] = ()):
         super().__init__()
         self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype = k_bits, v_bits, scale_rule, scale_dtype
+        self.key_groups = key_groups   # keys in channel groups (k_bits None), or ()
         self.fit_keys = fit_keys
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -138,7 +139,7 @@ class TurboQuantLayer(CacheLayerMixin):
     # -- transformers' layer interface ------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, hkv, t, d = key_states.shape
-        codec = KVCodec(d, self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype)
+        codec = KVCodec(d, self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype, self.key_groups)
         capacity = None
         if not self.is_sliding:
             capacity = self.max_cache_len or max(_INITIAL_CAPACITY, t)
@@ -232,9 +233,12 @@ class TurboQuantLayer(CacheLayerMixin):
             # A shift would reach softcap's tanh and the sink logit (key_transform.py).
             center = self.fit_keys != "off" and softcap is None and sinks is None
             balance = self.fit_keys == "balance"
-            if (center or balance) and t >= MIN_FIT_TOKENS:
+            grouped = cache.codec.grouped_keys   # key groups always fit their channel order
+            if (center or balance or grouped) and t >= MIN_FIT_TOKENS:
                 valid = None if keep is None else keep[:, 0, 0, :]
-                cache.set_key_transform(*fit_key_transform(q, k, valid, center=center, balance=balance))
+                shift, gain = fit_key_transform(q, k, valid, center=center, balance=balance)
+                order = fit_key_order(to_stored_keys(k, shift, gain), valid) if grouped else None
+                cache.set_key_transform(shift, gain, order)
             self.store(k, v)
             return out
         if t > 1:
@@ -370,6 +374,10 @@ class TurboQuantCache(Cache):
     every full-attention layer (sliding layers: none) and reads them exactly.
     `exact_recent_sliding=False` keeps the exact recent window on full-attention layers only: a sliding layer's
     ring is short (Gemma-3: 512 tokens), so a window there costs a large share of its bytes.
+    `key_groups=((112, 6), (144, 4))` codes the keys in channel groups instead of at k_bits (KVCodec; leave
+    k_bits None): each layer orders its channels by the prompt keys' variance (key_transform.fit_key_order),
+    and the first group, with the most bits, takes the largest.  Without v_bits it keeps the default preset's
+    other options.  Only the PyTorch path reads such caches yet (no fused kernel; no torch.compile).
 
     Without `k_bits` and `v_bits` the cache takes the default preset for the model's head_dim
     (`default_preset`, DEFAULT_PRESETS: k4v3 with the first 4 and 64 newest tokens exact up to head_dim 128,
@@ -381,15 +389,24 @@ class TurboQuantCache(Cache):
     def __init__(self, config, k_bits: int | None = None, v_bits: int | None = None,
                  scale_rule: str = "corrected", quantize_current: bool = False, max_cache_len: int | None = None,
                  fit_keys: str = KEY_FIT_DEFAULT, exact_recent: int | None = None, exact_first: int | None = None,
-                 scale_dtype: torch.dtype | None = None, exact_recent_sliding: bool = True):
+                 scale_dtype: torch.dtype | None = None, exact_recent_sliding: bool = True,
+                 key_groups: tuple[tuple[int, int], ...] | None = None):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"config must be a transformers PretrainedConfig (model.config), "
                             f"got {type(config).__name__}")
-        if (k_bits is None) != (v_bits is None):
-            raise ValueError(f"give both k_bits and v_bits, or neither (the default preset), got k_bits={k_bits!r}, "
-                             f"v_bits={v_bits!r}")
-        base = default_preset(_head_dim(config)) if k_bits is None else dict(PLAIN_OPTIONS, k_bits=k_bits,
-                                                                              v_bits=v_bits)
+        if key_groups is not None:
+            if k_bits is not None:
+                raise ValueError(f"key_groups set the keys' widths: leave k_bits None, got k_bits={k_bits!r}")
+            key_groups = check_key_groups(key_groups, _head_dim(config))
+            base = default_preset(_head_dim(config)) if v_bits is None else dict(PLAIN_OPTIONS, v_bits=v_bits)
+            base["k_bits"] = None
+        else:
+            key_groups = ()
+            if (k_bits is None) != (v_bits is None):
+                raise ValueError(f"give both k_bits and v_bits, or neither (the default preset), got "
+                                 f"k_bits={k_bits!r}, v_bits={v_bits!r}")
+            base = default_preset(_head_dim(config)) if k_bits is None else dict(PLAIN_OPTIONS, k_bits=k_bits,
+                                                                                  v_bits=v_bits)
         k_bits, v_bits = base["k_bits"], base["v_bits"]
         exact_recent = base["exact_recent"] if exact_recent is None else exact_recent
         exact_first = base["exact_first"] if exact_first is None else exact_first
@@ -414,10 +431,11 @@ class TurboQuantCache(Cache):
         exact_dtype = _model_dtype(config)
         layers = [TurboQuantLayer(k_bits, v_bits, scale_rule, window, quantize_current, max_cache_len, fit_keys,
                                   exact_recent if window is None or exact_recent_sliding else 0, exact_dtype,
-                                  exact_first, scale_dtype)
+                                  exact_first, scale_dtype, key_groups)
                   for _, window in _layer_types(config)]
         super().__init__(layers=layers)
         self.k_bits, self.v_bits, self.scale_rule, self.scale_dtype = k_bits, v_bits, scale_rule, scale_dtype
+        self.key_groups = key_groups
         self.exact_recent = exact_recent
         self.exact_first = exact_first
         self.exact_recent_sliding = exact_recent_sliding

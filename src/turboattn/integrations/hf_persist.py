@@ -7,7 +7,8 @@
 Layer i's cache is stored under the key prefix "layers.<i>." in cache/persist.py's format; the
 header adds `kind`, `file_version`, `num_layers`, the constructor's options (k_bits, v_bits,
 scale_rule, fit_keys, quantize_current, max_cache_len, exact_recent and exact_first: "0" when absent, scale_dtype:
-float32 when absent, exact_recent_sliding: "0" when False, absent when True) and, per layer, its sliding window, the
+float32 when absent, exact_recent_sliding: "0" when False, absent when True, key_groups: "112x6+144x4", absent
+without them, k_bits then "None") and, per layer, its sliding window, the
 dtype of the K/V it was given, or "empty" for a layer that holds nothing yet.  Loading rebuilds
 the cache from the model config (as the constructor does) and checks that its layers match the file.
 """
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..cache.persist import cache_from_state, cache_state, read_file
-from ..format.codec import SCALE_DTYPES
+from ..format.codec import SCALE_DTYPES, key_groups_name, parse_key_groups
 from .hf import TurboQuantCache
 
 KIND = "turboattn.TurboQuantCache"
@@ -51,6 +52,8 @@ def save_turboquant_cache(cache: TurboQuantCache, path: str | os.PathLike) -> No
         meta["exact_recent_sliding"] = "0"
     if cache.exact_first:   # the layers' files then have file_version 3: older readers refuse them
         meta["exact_first"] = str(cache.exact_first)
+    if cache.key_groups:    # the layers' files then have file_version 4: older readers refuse them
+        meta["key_groups"] = key_groups_name(cache.key_groups)
     tensors = {}
     for i, layer in enumerate(cache.layers):
         prefix = f"layers.{i}."
@@ -76,7 +79,13 @@ def load_turboquant_cache(path: str | os.PathLike, config, device=None) -> Turbo
         raise ValueError(f"{source}: file_version {meta.get('file_version')} differs from this turboattn's "
                          f"{FILE_VERSION}; the file was written by another version and cannot be read")
     max_len = meta["max_cache_len"]
-    cache = TurboQuantCache(config, int(meta["k_bits"]), int(meta["v_bits"]), meta["scale_rule"],
+    key_groups = meta.get("key_groups")
+    try:
+        key_groups = None if key_groups is None else parse_key_groups(key_groups)
+        k_bits = None if key_groups is not None else int(meta["k_bits"])
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    cache = TurboQuantCache(config, k_bits, int(meta["v_bits"]), meta["scale_rule"], key_groups=key_groups,
                             quantize_current=meta["quantize_current"] == "1",
                             max_cache_len=None if max_len == "none" else int(max_len), fit_keys=meta["fit_keys"],
                             exact_recent=int(meta.get("exact_recent", "0")),

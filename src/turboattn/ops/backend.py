@@ -4,8 +4,9 @@ Each op's package registers its implementations in one line each
 (`register("cached_attention", "triton", "turboattn.ops.cached.triton:cached_attention_triton",
 priority=10, devices=("cuda",))`); the module is imported only when the implementation runs, so
 the PyTorch path never imports Triton.  `backend="auto"` picks the highest-priority
-implementation whose check accepts the tensors' device and head_dim; naming one forces it (a
-head_dim it does not serve is a ValueError, never a wrong result).
+implementation whose check accepts the tensors' device and head_dim (and, for a codec with keys in
+channel groups, reads those: only the PyTorch path does yet); naming one forces it (a head_dim or a
+format it does not serve is a ValueError, never a wrong result).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ class Implementation:
     devices: tuple[str, ...]       # device types "auto" may send to it ("*": any); forcing ignores this
     requires: tuple[str, ...] = ()  # importable modules it needs
     head_dims: tuple[int, ...] | None = None  # the head dims it serves (None: every one the format has)
+    grouped_keys: bool = False     # whether it reads keys coded in channel groups (codec.key_groups)
 
-    def serves(self, head_dim: int | None) -> bool:
-        return head_dim is None or self.head_dims is None or head_dim in self.head_dims
+    def serves(self, head_dim: int | None, grouped_keys: bool = False) -> bool:
+        return ((head_dim is None or self.head_dims is None or head_dim in self.head_dims)
+                and (self.grouped_keys or not grouped_keys))
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
@@ -43,9 +46,11 @@ generation = 0
 
 
 def register(op: str, name: str, target: str, *, priority: int, devices: tuple[str, ...],
-             requires: tuple[str, ...] = (), head_dims: tuple[int, ...] | None = None) -> None:
+             requires: tuple[str, ...] = (), head_dims: tuple[int, ...] | None = None,
+             grouped_keys: bool = False) -> None:
     global generation
-    _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires, head_dims)
+    _REGISTRY.setdefault(op, {})[name] = Implementation(op, name, target, priority, devices, requires, head_dims,
+                                                        grouped_keys)
     _auto.cache_clear()
     generation += 1
 
@@ -72,11 +77,12 @@ def check_backend(backend: str) -> None:
 # torch.compile calls this while tracing and keeps the name as a constant (it reads no tensor; tracing it
 # would step into importlib through the lru_cache).
 @torch.compiler.assume_constant_result
-def choose(op: str, backend: str, device: torch.device, head_dim: int | None = None) -> str:
-    """The implementation name that serves `op` for tensors on `device` with this head_dim (None: any)
-    (host only: no tensor is read)."""
+def choose(op: str, backend: str, device: torch.device, head_dim: int | None = None,
+           grouped_keys: bool = False) -> str:
+    """The implementation name that serves `op` for tensors on `device` with this head_dim (None: any) and a
+    codec with keys in channel groups or not (host only: no tensor is read)."""
     if backend == "auto":
-        name = _auto(op, device, head_dim)
+        name = _auto(op, device, head_dim, grouped_keys)
         if name is None:  # torch covers every device and head dim
             raise RuntimeError(f"no implementation of {op} supports device {device} with head_dim={head_dim}")
         return name
@@ -84,6 +90,9 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
     impl = _REGISTRY[op].get(backend)
     if impl is None:
         raise ValueError(f"{op} has no {backend!r} implementation; registered: {sorted(_REGISTRY[op])}")
+    if not impl.serves(None, grouped_keys):
+        raise ValueError(f"backend={backend!r} for {op} does not read keys coded in channel groups "
+                         "(codec.key_groups) yet; use backend='torch' (or 'auto')")
     if not impl.serves(head_dim):
         raise ValueError(f"backend={backend!r} for {op} serves head_dim in {impl.head_dims}, got "
                          f"head_dim={head_dim}; use backend='torch' (or 'auto')")
@@ -99,11 +108,12 @@ def choose(op: str, backend: str, device: torch.device, head_dim: int | None = N
 # Every layer of every decode step asks (register() clears it).  Keyed by the device itself: a torch.device hashes
 # in a few dozen ns, where device.type builds a new string each call.
 @lru_cache(maxsize=None)
-def _auto(op: str, device: torch.device, head_dim: int | None) -> str | None:
-    """The name of the best implementation of `op` that "auto" may send this device's type and head_dim to."""
+def _auto(op: str, device: torch.device, head_dim: int | None, grouped_keys: bool = False) -> str | None:
+    """The name of the best implementation of `op` that "auto" may send this device's type, head_dim and key
+    format to."""
     device_type = device.type
     for impl in implementations(op):
-        if ((device_type in impl.devices or "*" in impl.devices) and impl.serves(head_dim)
+        if ((device_type in impl.devices or "*" in impl.devices) and impl.serves(head_dim, grouped_keys)
                 and all(importable(m) for m in impl.requires)):
             return impl.name
     return None

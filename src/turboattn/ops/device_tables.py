@@ -18,6 +18,10 @@ from .backend import importable
 
 def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
     """Make (or find cached) every table the quantize and attention kernels read for this codec."""
+    if codec.grouped_keys:   # each key group's tables as a key of its width, and the values'
+        for part in (*codec.key_group_codecs, KVCodec(codec.head_dim, codec.v_bits, codec.v_bits)):
+            allocate_device_tables(part, device)
+        return
     d = codec.head_dim
     device_signs(d, device)
     for bits in {codec.k_bits, codec.v_bits, 4}:

@@ -118,6 +118,13 @@ def append_launcher(layout: CacheLayout, codec: KVCodec, impl: str):
     return lambda k, v: body(k, v, layout, codec, None, True)
 
 
+def _check_traceable(codec: KVCodec) -> None:
+    """The torch ops spell a codec as its two bit widths: keys in channel groups are not traced yet."""
+    if codec.grouped_keys:
+        raise NotImplementedError("torch.compile does not trace a cache with keys in channel groups "
+                                  "(codec.key_groups) yet: run it eagerly")
+
+
 def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, codec: KVCodec,
                         impl: str) -> None:
     """Append k, v to a cache's layout, coded with the cache's codec: codes, exact rows, and seen advanced by the
@@ -126,6 +133,7 @@ def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: 
     which recomputed a value read from seen before the op (transformers' past_seen_tokens, inside a later layer's
     fused RoPE) from the advanced tensor; an aten add is a mutation inductor orders correctly."""
     if torch.compiler.is_compiling():
+        _check_traceable(codec)
         torch.ops.turboattn.quantize_append(
             k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
             new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, codec.k_bits, codec.v_bits,
@@ -199,6 +207,7 @@ def run_cached_attention(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tens
     used."""
     k_bits, v_bits = codec.k_bits, codec.v_bits
     if torch.compiler.is_compiling():
+        _check_traceable(codec)
         plan_list = plan.to_list() if plan is not None else [] if num_splits is None else [num_splits]
         return torch.ops.turboattn.cached_attention(
             q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,

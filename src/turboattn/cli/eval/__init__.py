@@ -85,13 +85,20 @@ def __getattr__(name):
 
 
 def _preset_list(text: str) -> list[str]:
-    """"k4v4,mixed" -> ["k4v4", "mixed"]: presets the codec has, and "mixed" (resolved per model)."""
+    """"k4v4,mixed" -> ["k4v4", "mixed"]: presets the codec has (keys in channel groups: k112x6+144x4v3), and
+    "mixed" (resolved per model)."""
     items = [x.strip() for x in text.split(",")]
     if not text.strip() or any(not x for x in items):
         raise argparse.ArgumentTypeError(f"expected a comma list of presets like k4v4, got {text!r}")
     for item in items:
-        if item != "mixed":
-            parse_bits(item)
+        if item == "mixed":
+            continue
+        try:
+            keys, v_bits = parse_preset(item)   # keys in channel groups too: k112x6+144x4v3
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        for k_bits in ((bits for _, bits in keys) if isinstance(keys, tuple) else (keys,)):
+            parse_bits(f"k{k_bits}v{v_bits}")   # each width one the codec has
     return items
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...format.codec import KVCodec
+from ...format.codec import KVCodec, parse_key_groups
 
 MAIN_PRESETS = ("k8v8", "k6v6", "k5v5", "k4v4", "k4v3", "k3v3", "k2v2")
 # Mixed candidates at <= 4.25 bits/element, counting the float32 scales (per head_dim).
@@ -16,12 +16,19 @@ PEERS = ("quanto-int4", "quanto-int2", "hqq-4", "hqq-2", "turboquant-4", "turboq
 FIT_SUFFIX = {"balance": "", "center": "-center", "off": "-nofit"}   # method names, stable across defaults
 
 
-def parse_preset(name: str) -> tuple[int, int]:
+def parse_preset(name: str) -> tuple[int | tuple[tuple[int, int], ...], int]:
+    """"k4v3" -> (4, 3); keys in channel groups, "k112x6+144x4v3" -> (((112, 6), (144, 4)), 3)."""
     try:
         k, v = name.lower().removeprefix("k").split("v")
-        return int(k), int(v)
+        return (parse_key_groups(k) if "x" in k else int(k)), int(v)
     except ValueError:
-        raise ValueError(f"preset must look like k4v4, got {name!r}") from None
+        raise ValueError(f"preset must look like k4v4 (or, keys in channel groups, k112x6+144x4v3), "
+                         f"got {name!r}") from None
+
+
+def _key_options(kb) -> dict:
+    """parse_preset's key part as KVCodec / TurboQuantCache keywords."""
+    return dict(k_bits=None, key_groups=kb) if isinstance(kb, tuple) else dict(k_bits=kb)
 
 
 SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # --scale-dtype names
@@ -29,7 +36,7 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # --scal
 
 def bits_per_element(preset: str, head_dim: int, scale_dtype: str = "float32") -> float:
     kb, vb = parse_preset(preset)
-    return KVCodec(head_dim, kb, vb, scale_dtype=SCALE_DTYPES[scale_dtype]).bits_per_element()
+    return KVCodec(head_dim, v_bits=vb, scale_dtype=SCALE_DTYPES[scale_dtype], **_key_options(kb)).bits_per_element()
 
 
 @dataclass
@@ -77,9 +84,10 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
     strict = mode == "strict"
 
     def make(model):
-        cache = TurboQuantCache(model.config, kb, vb, rule, quantize_current=strict, fit_keys=fit_keys,
+        cache = TurboQuantCache(model.config, v_bits=vb, scale_rule=rule, quantize_current=strict, fit_keys=fit_keys,
                                 exact_recent=exact_recent, exact_first=exact_first,
-                                scale_dtype=SCALE_DTYPES[scale_dtype], exact_recent_sliding=recent_sliding)
+                                scale_dtype=SCALE_DTYPES[scale_dtype], exact_recent_sliding=recent_sliding,
+                                **_key_options(kb))
         if not strict and not exact_decode:
             from ...integrations.decode_emulation import DecodeEmulationLayer
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]

@@ -28,6 +28,13 @@ rows of first_k / first_v (position starts + j in row j, visible once
 starts + j < seen) before the window, whose rows below starts + S it skips
 (the first-token rows win), then the fresh tokens.
 
+Keys in channel groups (codec.key_groups, GROUPED): the host hands the kernel q and the exact rows' keys
+already in the groups' domain (key transform and channel order applied, each group rotated by its own
+rotation, q_scale folded into q; `grouped_key_rows`), so the kernel scores a tile as
+(q_a . c_a) * s_a + (q_b . c_b) * s_b over each group's centroids, gathered coordinate by coordinate from
+the group's planes (each group's columns padded to a power of two, zeros in q).  Values, the merge and
+everything else are as without groups.
+
 Head dims that are not powers of two (D = P * m, m odd): each half is held in
 the padded layout (triton_lib.padded_factor: next_power_of_2(D / 2) columns,
 half-coordinate p * m + r in column p * next_power_of_2(m) + r, zeros in the
@@ -41,6 +48,7 @@ of two) compiles to the plain layout's code.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import triton
@@ -135,6 +143,31 @@ def _centroid_halves(codes_ptr, rows, valid, cb_ptr, D: tl.constexpr, BITS: tl.c
 
 
 @triton.jit
+def _group_columns(row_ptr, row_ok, LO: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Columns LO .. LO + W - 1 of the rows at row_ptr [R] as a tile [R, WP] (zeros past W): one key group of
+    rows the host prepared (grouped_key_rows)."""
+    c = tl.arange(0, WP)
+    return tl.load(row_ptr[:, None] + LO + c[None, :], mask=row_ok[:, None] & (c < W)[None, :], other=0.0)
+
+
+@triton.jit
+def _group_centroids(codes_ptr, rows, valid, cb_ptr, ROW_BYTES: tl.constexpr, OFFSET: tl.constexpr,
+                     W: tl.constexpr, WP: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Centroid values (float16) [BLOCK_N, WP] of one key group: W coordinates coded in planes of W0 (and W1)
+    bits from byte OFFSET of each row of ROW_BYTES; the columns past W get centroid 0's value, which meets
+    only q's zeros."""
+    row_ptr = codes_ptr + rows[:, None].to(tl.int64) * ROW_BYTES + OFFSET
+    coord = tl.arange(0, WP)[None, :]
+    mask = valid[:, None] & (coord < W)
+    P0: tl.constexpr = W * W0 // 8
+    idx = _plane_values(row_ptr, coord, mask, W0, P0, 0, 1, 2)   # VEC 1, M 2: masked gathers
+    if W1 > 0:
+        P1: tl.constexpr = W * W1 // 8
+        idx = idx | (_plane_values(row_ptr, coord, mask, W1, P1, P0, 1, 2) << W0)
+    return tl.load(cb_ptr + idx)
+
+
+@triton.jit
 def _rotate_halves(row_ptr, row_ok, signs_ptr, had_ptr, kron_ptr, factor, D: tl.constexpr,
                    PRE_ROTATED: tl.constexpr, sub_ptr, mul_ptr, AFFINE: tl.constexpr, SUB: tl.constexpr,
                    M: tl.constexpr, MP: tl.constexpr):
@@ -205,13 +238,19 @@ def _finish_scores(s, SOFTCAP: tl.constexpr, softcap):
 def _attend_exact(k_rows, v_rows, valid, pos, qpos, start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi,
                   signs_ptr, had_ptr, kron_ptr, key_sub_ptr, key_mul_ptr, softcap, D: tl.constexpr,
                   PRE_ROTATED: tl.constexpr, KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+                  HAS_WINDOW: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, GROUPED: tl.constexpr,
+                  KA_D: tl.constexpr, KA_DP: tl.constexpr, KB_D: tl.constexpr, KB_DP: tl.constexpr):
     """One tile of full-precision keys (fresh k/v or the exact window) at row pointers k_rows, v_rows
     [BLOCK_N] and positions pos: rotated (and key-transformed) here unless PRE_ROTATED, then an online
     softmax step.  A key is seen by query row i when valid, pos >= start, pos <= qpos[i] and, with a
-    window, qpos[i] - pos < window."""
-    k_lo, k_hi = _rotate_halves(k_rows, valid, signs_ptr, had_ptr, kron_ptr, 1.0, D, PRE_ROTATED,
-                                key_sub_ptr, key_mul_ptr, KEY_XFORM, KEY_SHIFT, M, MP)
+    window, qpos[i] - pos < window.  GROUPED: the key rows are in the groups' domain already, and q_lo, q_hi
+    are the two groups' q."""
+    if GROUPED:
+        k_lo = _group_columns(k_rows, valid, 0, KA_D, KA_DP)
+        k_hi = _group_columns(k_rows, valid, KA_D, KB_D, KB_DP)
+    else:
+        k_lo, k_hi = _rotate_halves(k_rows, valid, signs_ptr, had_ptr, kron_ptr, 1.0, D, PRE_ROTATED,
+                                    key_sub_ptr, key_mul_ptr, KEY_XFORM, KEY_SHIFT, M, MP)
     v_lo, v_hi = _rotate_halves(v_rows, valid, signs_ptr, had_ptr, kron_ptr, 1.0, D, PRE_ROTATED,
                                 key_sub_ptr, key_mul_ptr, False, False, M, MP)
     # A non-finite k or v row: NaN score (for the queries that see it), zero value row (for the rest).
@@ -245,7 +284,9 @@ def _cached_attention_kernel(
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, K_LUT: tl.constexpr, V_LUT: tl.constexpr,
     K_VEC: tl.constexpr, V_VEC: tl.constexpr, PRE_ROTATED: tl.constexpr,
     KEY_XFORM: tl.constexpr, KEY_SHIFT: tl.constexpr, EXACT: tl.constexpr, FIRST: tl.constexpr,
-    M: tl.constexpr, MP: tl.constexpr,
+    M: tl.constexpr, MP: tl.constexpr, ka_cb, kb_cb, GROUPED: tl.constexpr, K_ROW: tl.constexpr,
+    KA_D: tl.constexpr, KA_DP: tl.constexpr, KA_W0: tl.constexpr, KA_W1: tl.constexpr,
+    KB_D: tl.constexpr, KB_DP: tl.constexpr, KB_W0: tl.constexpr, KB_W1: tl.constexpr,
 ):
     HP: tl.constexpr = D // 2 // M * MP   # a half's columns (D / 2 for M == 1)
     NB: tl.constexpr = 2 if D > 256 else 1   # norm blocks: the halves above 256 coordinates
@@ -265,8 +306,12 @@ def _cached_attention_kernel(
     # Key transform (key_transform.py): scores are taken in the stored domain, q / gain against
     # (k - shift) * gain; a per-query constant apart from q . k, which softmax ignores.
     xf = (b * num_kv_heads + kvh) * D
-    q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, kron_ptr, q_scale, D, PRE_ROTATED,
-                                key_shift_ptr + xf, key_gain_inv_ptr + xf, KEY_XFORM, False, M, MP)
+    if GROUPED:   # the two key groups' q, prepared by the host (grouped_key_rows)
+        q_lo = _group_columns(q_row, row_ok, 0, KA_D, KA_DP)
+        q_hi = _group_columns(q_row, row_ok, KA_D, KB_D, KB_DP)
+    else:
+        q_lo, q_hi = _rotate_halves(q_row, row_ok, signs_ptr, had_ptr, kron_ptr, q_scale, D, PRE_ROTATED,
+                                    key_shift_ptr + xf, key_gain_inv_ptr + xf, KEY_XFORM, False, M, MP)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -295,25 +340,46 @@ def _cached_attention_kernel(
             else:
                 pos = slot
             rows = cache_row0 + slot
-            k_lo, k_hi = _centroid_halves(k_codes, rows, valid, k_cb, D, K_BITS, K_W0, K_W1, K_LUT, K_VEC, M, MP)
-            # A NaN V scale (non-finite value) moves to the K scale: the score carries it to the
-            # queries that see the key, and p = 0 of the others never meets it.
-            if NB == 1:
-                vs = tl.load(v_scales + rows, mask=valid, other=0.0).to(tl.float32)
-                ks = tl.where(vs == vs, tl.load(k_scales + rows, mask=valid, other=0.0).to(tl.float32), float("nan"))
-                vs = tl.where(vs == vs, vs, 0.0)
-                s = tl.dot(q_lo, tl.trans(k_lo))
-                s = tl.dot(q_hi, tl.trans(k_hi), acc=s) * ks[None, :]
+            if GROUPED:
+                k_lo = _group_centroids(k_codes, rows, valid, ka_cb, K_ROW, 0, KA_D, KA_DP, KA_W0, KA_W1)
+                k_hi = _group_centroids(k_codes, rows, valid, kb_cb, K_ROW, KA_D * (KA_W0 + KA_W1) // 8, KB_D, KB_DP,
+                                        KB_W0, KB_W1)
+                ks_a = tl.load(k_scales + rows * 2, mask=valid, other=0.0).to(tl.float32)
+                ks_b = tl.load(k_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                s = tl.dot(q_lo, tl.trans(k_lo)) * ks_a[None, :] + tl.dot(q_hi, tl.trans(k_hi)) * ks_b[None, :]
+                # A non-finite value: a NaN score, as below.
+                if NB == 1:
+                    vs = tl.load(v_scales + rows, mask=valid, other=0.0).to(tl.float32)
+                    s = tl.where((vs == vs)[None, :], s, float("nan"))
+                    vs = tl.where(vs == vs, vs, 0.0)
+                else:
+                    vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0).to(tl.float32)
+                    vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                    s = tl.where(((vs0 == vs0) & (vs1 == vs1))[None, :], s, float("nan"))
+                    vs0 = tl.where(vs0 == vs0, vs0, 0.0)
+                    vs1 = tl.where(vs1 == vs1, vs1, 0.0)
             else:
-                vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0).to(tl.float32)
-                vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-                ks0 = tl.where((vs0 == vs0) & (vs1 == vs1),
-                               tl.load(k_scales + rows * 2, mask=valid, other=0.0).to(tl.float32),
-                               float("nan"))
-                ks1 = tl.load(k_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
-                vs0 = tl.where(vs0 == vs0, vs0, 0.0)
-                vs1 = tl.where(vs1 == vs1, vs1, 0.0)
-                s = tl.dot(q_lo, tl.trans(k_lo)) * ks0[None, :] + tl.dot(q_hi, tl.trans(k_hi)) * ks1[None, :]
+                k_lo, k_hi = _centroid_halves(k_codes, rows, valid, k_cb, D, K_BITS, K_W0, K_W1, K_LUT, K_VEC, M,
+                                              MP)
+                # A NaN V scale (non-finite value) moves to the K scale: the score carries it to the
+                # queries that see the key, and p = 0 of the others never meets it.
+                if NB == 1:
+                    vs = tl.load(v_scales + rows, mask=valid, other=0.0).to(tl.float32)
+                    ks = tl.where(vs == vs, tl.load(k_scales + rows, mask=valid, other=0.0).to(tl.float32),
+                                  float("nan"))
+                    vs = tl.where(vs == vs, vs, 0.0)
+                    s = tl.dot(q_lo, tl.trans(k_lo))
+                    s = tl.dot(q_hi, tl.trans(k_hi), acc=s) * ks[None, :]
+                else:
+                    vs0 = tl.load(v_scales + rows * 2, mask=valid, other=0.0).to(tl.float32)
+                    vs1 = tl.load(v_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                    ks0 = tl.where((vs0 == vs0) & (vs1 == vs1),
+                                   tl.load(k_scales + rows * 2, mask=valid, other=0.0).to(tl.float32),
+                                   float("nan"))
+                    ks1 = tl.load(k_scales + rows * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+                    vs0 = tl.where(vs0 == vs0, vs0, 0.0)
+                    vs1 = tl.where(vs1 == vs1, vs1, 0.0)
+                    s = tl.dot(q_lo, tl.trans(k_lo)) * ks0[None, :] + tl.dot(q_hi, tl.trans(k_hi)) * ks1[None, :]
             s = _finish_scores(s, SOFTCAP, softcap)
             keep = valid[None, :] & (pos[None, :] >= start) & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
             if HAS_WINDOW:
@@ -341,7 +407,7 @@ def _cached_attention_kernel(
                     fk_ptr + first_base + j * si_t, fv_ptr + first_base + j * si_t, (j < exact_first) & (pos < seen),
                     pos, qpos, start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr,
                     kron_ptr, key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT,
-                    SOFTCAP, HAS_WINDOW, M, MP)
+                    SOFTCAP, HAS_WINDOW, M, MP, GROUPED, KA_D, KA_DP, KB_D, KB_DP)
         if EXACT:
             # The exact window: row r holds the position p in [seen - R, seen) with p = r (mod R).
             ring_base = b * sr_b + kvh * sr_h
@@ -355,7 +421,7 @@ def _cached_attention_kernel(
                 m, l, acc_lo, acc_hi = _attend_exact(
                     rk_ptr + ring_base + r * sr_t, rv_ptr + ring_base + r * sr_t, valid, pos, qpos, start, row_ok,
                     window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr, kron_ptr, key_shift_ptr + xf,
-                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW, M, MP)
+                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW, M, MP, GROUPED, KA_D, KA_DP, KB_D, KB_DP)
         if HAS_FRESH:
             # Fresh full-precision keys at positions seen + j, causal among themselves.
             t_max = tl.minimum((tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
@@ -366,7 +432,7 @@ def _cached_attention_kernel(
                     kf_ptr + fresh_base + j * sf_t, vf_ptr + fresh_base + j * sf_t, j <= t_max, seen + j, qpos,
                     start, row_ok, window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr,
                     kron_ptr, key_shift_ptr + xf, key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT,
-                    SOFTCAP, HAS_WINDOW, M, MP)
+                    SOFTCAP, HAS_WINDOW, M, MP, GROUPED, KA_D, KA_DP, KB_D, KB_DP)
 
     out_lo, lse = finish_split(acc_lo, m, l)
     out_hi, lse = finish_split(acc_hi, m, l)
@@ -431,6 +497,29 @@ def query_scale(d: int, scale: float | None, softcap: float | None) -> float:
     return scale if softcap is not None else scale * LOG2E.value
 
 
+@lru_cache(maxsize=None)
+def group_rotation(key_groups: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """G [D, D] float32 with x @ G = each key group of x rotated as its codec rotates it (block diagonal: one
+    product where the rotations' butterflies take a few dozen small ops)."""
+    width = key_groups[0][0]
+    eye_a, eye_b = (torch.eye(w, dtype=torch.float64) for w in (width, sum(c for c, _ in key_groups) - width))
+    return torch.block_diag(rotate(eye_a), rotate(eye_b)).to(device, torch.float32)
+
+
+def grouped_key_rows(x: torch.Tensor, layout: CacheLayout, codec: KVCodec, queries: bool,
+                     factor: float = 1.0) -> torch.Tensor:
+    """Keys (or, queries=True, queries) x [B, H, T, D] in the model's domain -> the key groups' domain as the
+    kernel's GROUPED path reads them, float16: the key transform and channel order applied (to_stored_keys /
+    to_stored_queries), then each group rotated as its codec rotates it (codec.key_groups), times factor."""
+    if layout.has_key_transform:
+        if queries:
+            x = to_stored_queries(x.to(torch.float32), layout.key_gain, layout.key_order)
+        else:
+            x = to_stored_keys(x, layout.key_shift, layout.key_gain, layout.key_order)
+    y = x.to(torch.float32) @ group_rotation(codec.key_groups, x.device)
+    return (y * factor if factor != 1.0 else y).to(torch.float16)
+
+
 def part_buffers(q: torch.Tensor, num_kv_heads: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_part, lse_part): every part's normalized output [B * Hkv * parts * rows, next_power_of_2(D)] (the
     padded layout's columns: D for a power of two) and log2-sum-exp."""
@@ -462,7 +551,18 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     # too, and do the same.
     pre_rotated = d > 256
     key_xform = layout.has_key_transform
-    if pre_rotated:
+    grouped = codec.grouped_keys
+    if grouped:   # q and the exact rows' keys in the key groups' domain (grouped_key_rows); values as below
+        q = grouped_key_rows(q, layout, codec, True, q_scale)
+        k = None if k is None else grouped_key_rows(k, layout, codec, False)
+        rk = None if rk is None else grouped_key_rows(rk, layout, codec, False)
+        fk = None if fk is None else grouped_key_rows(fk, layout, codec, False)
+        key_xform = False
+        if pre_rotated:
+            v = None if v is None else rotate(v.to(torch.float32)).to(torch.float16)
+            rv = None if rv is None else rotate(rv.to(torch.float32)).to(torch.float16)
+            fv = None if fv is None else rotate(fv.to(torch.float32)).to(torch.float16)
+    elif pre_rotated:
         if key_xform:  # the host rotates, so it applies the key transform too
             q = to_stored_queries(q.to(torch.float32), layout.key_gain)
             k = None if k is None else to_stored_keys(k, layout.key_shift, layout.key_gain)
@@ -497,15 +597,19 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
 
     rows = tq * group
     row_blocks = cdiv(rows, plan.block_m)
-    k_spec, v_spec = codec.kernel_spec("k"), codec.kernel_spec("v")
+    v_spec = codec.kernel_spec("v")
+    # Keys in groups: the group codecs' facts (the K_* constants of the plain path then go unread).
+    k_spec = v_spec if grouped else codec.kernel_spec("k")
+    group_a, group_b = codec.key_group_codecs if grouped else (codec, codec)
+    spec_a, spec_b = group_a.kernel_spec("k"), group_b.kernel_spec("k")
     m, m_pad = padded_factor(d)
     use_lut = plan.lookup == "lut" and m == 1   # the LUT reads the plain layout's contiguous bytes
-    k_lut = lut4_asm() if use_lut and codec.k_bits == 4 else ""
+    k_lut = lut4_asm() if use_lut and k_spec.bits == 4 and not grouped else ""
     v_lut = lut4_asm() if use_lut and codec.v_bits == 4 else ""
     window = layout.sliding_window or 0
     _cached_attention_kernel[(parts, b * hkv, row_blocks)](
         q, q.stride(0), q.stride(1), q.stride(2), layout.k_codes, layout.k_scales, layout.v_codes,
-        layout.v_scales, device_centroids(codec.k_bits, dev, torch.float16),
+        layout.v_scales, device_centroids(k_spec.bits, dev, torch.float16),
         device_centroids(codec.v_bits, dev, torch.float16),
         kf, vf, kf.stride(0), kf.stride(1), kf.stride(2), layout.seen, layout.starts, o_part, lse_part,
         device_signs(d, dev), *rotation_tables(d, dev),
@@ -521,6 +625,11 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
         K_VEC=k_spec.vector_bytes, V_VEC=v_spec.vector_bytes,
         PRE_ROTATED=pre_rotated, KEY_XFORM=key_xform, KEY_SHIFT=key_xform and layout.key_shifted, EXACT=exact,
         FIRST=first, M=m, MP=m_pad,
+        ka_cb=device_centroids(spec_a.bits, dev, torch.float16),
+        kb_cb=device_centroids(spec_b.bits, dev, torch.float16), GROUPED=grouped, K_ROW=codec.code_bytes("k"),
+        KA_D=group_a.head_dim, KA_DP=next_power_of_2(group_a.head_dim), KA_W0=spec_a.low_plane,
+        KA_W1=spec_a.high_plane, KB_D=group_b.head_dim, KB_DP=next_power_of_2(group_b.head_dim),
+        KB_W0=spec_b.low_plane, KB_W1=spec_b.high_plane,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

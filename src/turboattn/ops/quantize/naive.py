@@ -27,7 +27,7 @@ def quantize_append_naive(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout,
     seen = layout.seen.tolist()
     n = [t] * layout.batch_size if new_lengths is None else new_lengths.tolist()
     store_exact_rows(k, v, layout, new_lengths)
-    coded = to_stored_keys(k, layout.key_shift, layout.key_gain) if layout.has_key_transform else k
+    coded = to_stored_keys(k, layout.key_shift, layout.key_gain, layout.key_order) if layout.has_key_transform else k
     for b in range(layout.batch_size):
         count = n[b] if layout.is_ring else min(n[b], max(layout.capacity - seen[b], 0))  # what fits
         first = max(0, count - layout.capacity)  # a ring keeps only the last W of a long chunk

@@ -18,6 +18,11 @@ rotation H_P ⊗ Q_m is a product with a small dense factor and butterflies
 reshape: a plane's slot is the top bits of p.  Loads and stores go through
 the column -> coordinate map; for powers of two (M = 1) every step compiles
 to the plain layout's code.
+
+Keys in channel groups (codec.key_groups): the host applies the key transform and the channel order
+(to_stored_keys) and marks a key holding a NaN or infinity as NaN in full, then one launch of
+`_encode_kernel` codes each group as a key of its own width into its bytes and scale of the cache's rows,
+and a third codes the values.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...format.codec import KVCodec
+from ...format.key_transform import to_stored_keys
 from ...format.layout import CacheLayout
 from ...format.rotation import device_signs
 from ..triton_lib import hadamard_tile, kron_rows, kron_tile, load_padded_vector, padded_columns, padded_factor, padded_mask
@@ -191,12 +197,13 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
                  mul_ptr, count_ptr, D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                  RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, VEC: tl.constexpr,
                  AFFINE: tl.constexpr, COUNT: tl.constexpr, BF16_SCALES: tl.constexpr,
-                 M: tl.constexpr, MP: tl.constexpr):
+                 M: tl.constexpr, MP: tl.constexpr, ROW_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr):
+    """Code BLOCK_T vectors of D coordinates into rows of ROW_BYTES code bytes and SCALE_STRIDE scales (a key
+    group's share of its cache row: codes_ptr and scales_ptr then point at the group's first byte and scale)."""
     # Norm blocks: the whole row up to 256 coordinates, else its two halves (codec.KVCodec.num_blocks).
     NB: tl.constexpr = 2 if D > 256 else 1
     BLK: tl.constexpr = D // NB
     BLK_P: tl.constexpr = BLK // M * MP   # the block's columns (padded layout when M > 1)
-    CB: tl.constexpr = D * BITS // 8
     offs_t = t0 + tl.arange(0, BLOCK_T)
     valid = (offs_t < n_new) & (offs_t >= first)
     offs_d, cols_ok = padded_columns(BLK_P, M, MP)
@@ -232,11 +239,11 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
     else:
         valid = valid & (slot < N)  # a full static cache stores what fits (QuantizedKVCache.append)
     row = (b * num_kv_heads + h).to(tl.int64) * N + slot
-    _store_planes(idx0, idx1, codes_ptr + row * CB, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC, M, MP)
+    _store_planes(idx0, idx1, codes_ptr + row * ROW_BYTES, valid, BLOCK_T, D, NB, BITS, W0, W1, VEC, M, MP)
     norm = 1.0 / tl.sqrt((D // M) * 1.0)  # kron_rows is unnormalized: 1 / sqrt(P), Q is orthonormal
-    _store_scale(scales_ptr + row * NB, _times_pow2(s0 * norm, e), bad, valid, BF16_SCALES)
+    _store_scale(scales_ptr + row * SCALE_STRIDE, _times_pow2(s0 * norm, e), bad, valid, BF16_SCALES)
     if NB == 2:
-        _store_scale(scales_ptr + row * NB + 1, _times_pow2(s1 * norm, e), bad, valid, BF16_SCALES)
+        _store_scale(scales_ptr + row * SCALE_STRIDE + 1, _times_pow2(s1 * norm, e), bad, valid, BF16_SCALES)
     if COUNT:
         n_bad = tl.sum((bad & valid).to(tl.int32), axis=0)
         tl.atomic_add(count_ptr + b, n_bad, mask=n_bad > 0)
@@ -269,12 +276,39 @@ def _quantize_append_kernel(
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr,
                      key_gain_ptr, count_ptr, D, K_BITS, K_W0, K_W1, RULE, BLOCK_T, RING, K_VEC, KEY_XFORM, COUNT,
-                     BF16_SCALES, M, MP)
+                     BF16_SCALES, M, MP, D * K_BITS // 8, 2 if D > 256 else 1)
     else:
         _encode_tile(v_ptr, sv_b, sv_h, sv_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      v_codes, v_scales, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr,
                      key_gain_ptr, count_ptr, D, V_BITS, V_W0, V_W1, RULE, BLOCK_T, RING, V_VEC, False, COUNT,
-                     BF16_SCALES, M, MP)
+                     BF16_SCALES, M, MP, D * V_BITS // 8, 2 if D > 256 else 1)
+
+
+@triton.jit
+def _encode_kernel(
+    x_ptr, sx_b, sx_h, sx_t, codes_ptr, scales_ptr, cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, kron_ptr,
+    seen_ptr, new_len_ptr, count_ptr, T, N, num_kv_heads,
+    D: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, RULE: tl.constexpr,
+    BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr, VEC: tl.constexpr, COUNT: tl.constexpr,
+    BF16_SCALES: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, ROW_BYTES: tl.constexpr,
+    SCALE_STRIDE: tl.constexpr,
+):
+    """One side's vectors (a key group, or the values of a cache with key groups) into the cache: grid (token
+    blocks, B * Hkv), the slots as in _quantize_append_kernel."""
+    t0 = tl.program_id(0) * BLOCK_T
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    n_new = T
+    if HAS_LENGTHS:
+        n_new = tl.load(new_len_ptr + b)
+    first = 0
+    if RING:
+        first = tl.maximum(n_new - N, 0)
+    slot0 = tl.load(seen_ptr + b)
+    _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads, codes_ptr, scales_ptr,
+                 cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, kron_ptr, cb_ptr, cb_ptr, count_ptr, D, BITS,
+                 W0, W1, RULE, BLOCK_T, RING, VEC, False, COUNT, BF16_SCALES, M, MP, ROW_BYTES, SCALE_STRIDE)
 
 
 @lru_cache(maxsize=None)
@@ -291,6 +325,11 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     k is in the model's domain: the kernel applies the key transform, if any."""
     check_kernel_head_dim("quantize_append", codec.head_dim)
     store_exact_rows(k, v, layout, new_lengths)   # reads seen before the append, as the kernel does
+    if codec.grouped_keys:
+        _append_grouped(k, v, layout, codec, new_lengths)
+        if advance:
+            advance_lengths(layout, new_lengths, k.shape[2])
+        return
     key_xform = layout.has_key_transform
     d = codec.head_dim
     m, m_pad = padded_factor(d)
@@ -325,3 +364,44 @@ def quantize_append_triton(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout
     )
     if advance:
         advance_lengths(layout, new_lengths, t)
+
+
+def _append_grouped(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec: KVCodec,
+                    new_lengths: torch.Tensor | None) -> None:
+    """The codes of a cache with keys in channel groups: three launches of _encode_kernel (module docstring)."""
+    b, hkv, t, d = k.shape
+    stored = to_stored_keys(k, layout.key_shift, layout.key_gain, layout.key_order) if layout.has_key_transform \
+        else k.to(torch.float32)
+    # One NaN marks the whole key (codec.quantize): each group's launch sees only its own coordinates.
+    finite = torch.isfinite(stored).all(dim=-1, keepdim=True)
+    stored = torch.where(finite, stored, torch.full_like(stored, float("nan"))).contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    bf16_scales = layout.k_scales.dtype == torch.bfloat16
+    k_scales, v_scales = ((x.view(torch.int16) if bf16_scales else x) for x in (layout.k_scales, layout.v_scales))
+    row_bytes = codec.code_bytes("k")
+    group_a, group_b = codec.key_group_codecs
+    offset = group_a.code_bytes("k")
+    count = layout.nonfinite is not None
+    # (input, its columns, codec, kind, codes, scales, scale stride, counts the vector): the key groups, the values.
+    sides = ((stored[..., :group_a.head_dim], group_a, "k", layout.k_codes, k_scales, row_bytes, 2, count),
+             (stored[..., group_a.head_dim:], group_b, "k", layout.k_codes[..., offset:], k_scales[..., 1:],
+              row_bytes, 2, False),
+             (v, codec, "v", layout.v_codes, v_scales, codec.code_bytes("v"), codec.scale_count("v"), count))
+    for x, side, kind, codes, scales, row, scale_stride, counts in sides:
+        width = side.head_dim
+        m, m_pad = padded_factor(width)
+        spec = side.kernel_spec(kind)
+        cb, bounds, grid_table = cell_tables(spec.bits, k.device)
+        plan = plan_quantize(width, t)
+        sx = x.stride()
+        _encode_kernel[(cdiv(t, plan.block_t), b * hkv)](
+            x, sx[0], sx[1], sx[2], codes, scales, cb, bounds, grid_table, device_signs(width, k.device),
+            hadamard_tile(min(width, 256) if m == 1 else 16, k.device), kron_tile(m, k.device),
+            layout.seen, new_lengths if new_lengths is not None else layout.seen,
+            layout.nonfinite if counts else layout.seen, t, layout.capacity, hkv,
+            D=width, BITS=spec.bits, W0=spec.low_plane, W1=spec.high_plane, RULE=codec.scale_rule_id,
+            BLOCK_T=plan.block_t, RING=layout.is_ring, HAS_LENGTHS=new_lengths is not None,
+            VEC=1 if kind == "k" else spec.vector_bytes, COUNT=counts, BF16_SCALES=bf16_scales, M=m, MP=m_pad,
+            ROW_BYTES=row, SCALE_STRIDE=scale_stride, num_warps=plan.num_warps,
+        )
