@@ -32,7 +32,8 @@ install: $(STAMP)
 # The kernels' tests, compiled for a GPU by Triton's real compiler (tests/compile/triton_compile_check.py): the
 # interpreter run above never type-checks a kernel.
 COMPILE_CHECKED := tests/test_kernels_cached.py tests/test_kernels_quantize.py tests/test_kernels_dtypes.py \
-	tests/test_exact_recent.py tests/test_exact_first.py tests/test_scale_dtype.py tests/test_flash.py
+	tests/test_exact_recent.py tests/test_exact_first.py tests/test_scale_dtype.py tests/test_flash.py \
+	tests/test_key_groups.py
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
