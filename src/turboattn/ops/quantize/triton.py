@@ -250,17 +250,10 @@ def _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_
 
 
 @triton.jit
-def _quantize_append_kernel(
-    k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-    k_codes, k_scales, v_codes, v_scales,
-    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr, key_gain_ptr,
-    seen_ptr, new_len_ptr, count_ptr, T, N, num_kv_heads,
-    D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
-    V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
-    RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr, COUNT: tl.constexpr,
-    BF16_SCALES: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-):
+def _program_tokens(seen_ptr, new_len_ptr, T, N, num_kv_heads, BLOCK_T: tl.constexpr, RING: tl.constexpr,
+                    HAS_LENGTHS: tl.constexpr):
+    """(first token t0, sequence b, KV head h, real tokens n_new, first token kept, slot of token 0) of this
+    program (grid axis 0: token blocks, axis 1: B * Hkv)."""
     t0 = tl.program_id(0) * BLOCK_T
     bh = tl.program_id(1)
     b = bh // num_kv_heads
@@ -272,6 +265,23 @@ def _quantize_append_kernel(
     if RING:
         first = tl.maximum(n_new - N, 0)  # a ring keeps only the last N tokens of a long chunk
     slot0 = tl.load(seen_ptr + b)
+    return t0, b, h, n_new, first, slot0
+
+
+@triton.jit
+def _quantize_append_kernel(
+    k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+    k_codes, k_scales, v_codes, v_scales,
+    k_cb, k_bounds, k_grid, v_cb, v_bounds, v_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr, key_gain_ptr,
+    seen_ptr, new_len_ptr, count_ptr, T, N, num_kv_heads,
+    D: tl.constexpr, K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
+    V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr,
+    RULE: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    K_VEC: tl.constexpr, V_VEC: tl.constexpr, KEY_XFORM: tl.constexpr, COUNT: tl.constexpr,
+    BF16_SCALES: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+):
+    t0, b, h, n_new, first, slot0 = _program_tokens(seen_ptr, new_len_ptr, T, N, num_kv_heads, BLOCK_T, RING,
+                                                    HAS_LENGTHS)
     if tl.program_id(2) == 0:
         _encode_tile(k_ptr, sk_b, sk_h, sk_t, b, h, t0, n_new, first, slot0, N, num_kv_heads,
                      k_codes, k_scales, k_cb, k_bounds, k_grid, signs_ptr, had_ptr, kron_ptr, key_shift_ptr,
@@ -295,17 +305,8 @@ def _encode_kernel(
 ):
     """One side's vectors (a key group, or the values of a cache with key groups) into the cache: grid (token
     blocks, B * Hkv), the slots as in _quantize_append_kernel."""
-    t0 = tl.program_id(0) * BLOCK_T
-    bh = tl.program_id(1)
-    b = bh // num_kv_heads
-    h = bh % num_kv_heads
-    n_new = T
-    if HAS_LENGTHS:
-        n_new = tl.load(new_len_ptr + b)
-    first = 0
-    if RING:
-        first = tl.maximum(n_new - N, 0)
-    slot0 = tl.load(seen_ptr + b)
+    t0, b, h, n_new, first, slot0 = _program_tokens(seen_ptr, new_len_ptr, T, N, num_kv_heads, BLOCK_T, RING,
+                                                    HAS_LENGTHS)
     _encode_tile(x_ptr, sx_b, sx_h, sx_t, b, h, t0, n_new, first, slot0, N, num_kv_heads, codes_ptr, scales_ptr,
                  cb_ptr, bounds_ptr, grid_ptr, signs_ptr, had_ptr, kron_ptr, cb_ptr, cb_ptr, count_ptr, D, BITS,
                  W0, W1, RULE, BLOCK_T, RING, VEC, False, COUNT, BF16_SCALES, M, MP, ROW_BYTES, SCALE_STRIDE)
