@@ -99,5 +99,4 @@ def test_tiny_model_matches_the_pytorch_path(monkeypatch):
         registry._auto.cache_clear()   # "auto" decisions are cached: drop the ones made without Triton
     # The paths differ only in each attention output, by float16 operand rounding and the bf16 cast (TOL, ~4e-3
     # relative); through three residual layers that moves bf16 logits by a few times as much: 2e-2, about 5x TOL.
-    # A wrong group, order or scale moves them by order one.
     assert rel_error(got.float(), want.float()) < 2e-2
