@@ -181,7 +181,8 @@ def test_edits_and_the_registry_drop_what_a_step_derived(static, gen):
         step_both(q, k, v)
         step_both(q, k, v)
     impl = backend._REGISTRY["cached_attention"]["torch"]
-    backend.register(impl.op, impl.name, impl.target, priority=impl.priority, devices=impl.devices)
+    backend.register(impl.op, impl.name, impl.target, priority=impl.priority, devices=impl.devices,
+                     requires=impl.requires, head_dims=impl.head_dims, grouped_keys=impl.grouped_keys)
     assert fast._attention_step.generation != backend.generation
     step_both(q, k, v)
     assert fast._attention_step.generation == backend.generation
