@@ -301,7 +301,8 @@ def _grouped_cache(gen, d, groups, v_bits, b=2, hkv=2, t=45, window=None, **opti
     codec = KVCodec(d, None, v_bits, key_groups=groups, scale_dtype=torch.bfloat16)
     cache = ta.QuantizedKVCache(codec, b, hkv, capacity=None if window else t + 4, sliding_window=window, **options)
     k, v = _uneven_keys(gen, b, hkv, t, d=d), torch.randn(b, hkv, t, d, generator=gen)
-    cache.set_key_transform(k.mean(2), torch.ones(b, hkv, d), fit_key_order(k))
+    gain = torch.rand(b, hkv, d, generator=gen) + 0.5   # a "balance" fit's gains: q / gain against k * gain
+    cache.set_key_transform(k.mean(2), gain, fit_key_order(k * gain[:, :, None]))
     cache.append(k[:, :, :20], v[:, :, :20], backend="torch")
     cache.append(k[:, :, 20:], v[:, :, 20:], backend="torch")
     return cache
