@@ -380,9 +380,9 @@ def test_head_dim_80_through_the_triton_kernels(monkeypatch):
     import turboattn.cache.dynamic
     from turboattn.ops import backend
 
-    def triton_for_the_cache(op, name, device, head_dim=None):
+    def triton_for_the_cache(op, name, device, head_dim=None, grouped_keys=False):
         forced = "triton" if name == "auto" and op in ("cached_attention", "quantize_append") else name
-        return backend.choose(op, forced, device, head_dim)
+        return backend.choose(op, forced, device, head_dim, grouped_keys)
 
     monkeypatch.setattr(turboattn.attention, "choose", triton_for_the_cache)
     monkeypatch.setattr(turboattn.cache.dynamic, "choose", triton_for_the_cache)
