@@ -251,7 +251,7 @@ class KVCodec:
 
     @property
     def grouped_keys(self) -> bool:
-        """Whether keys are coded in channel groups (which no fused kernel reads yet: ops/backend.py)."""
+        """Whether keys are coded in channel groups (the CUDA kernels do not read them yet: ops/backend.py)."""
         return bool(self.key_groups)
 
     @cached_property
