@@ -421,7 +421,8 @@ def _cached_attention_kernel(
                 m, l, acc_lo, acc_hi = _attend_exact(
                     rk_ptr + ring_base + r * sr_t, rv_ptr + ring_base + r * sr_t, valid, pos, qpos, start, row_ok,
                     window, q_lo, q_hi, m, l, acc_lo, acc_hi, signs_ptr, had_ptr, kron_ptr, key_shift_ptr + xf,
-                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW, M, MP, GROUPED, KA_D, KA_DP, KB_D, KB_DP)
+                    key_gain_ptr + xf, softcap, D, PRE_ROTATED, KEY_XFORM, KEY_SHIFT, SOFTCAP, HAS_WINDOW, M, MP,
+                    GROUPED, KA_D, KA_DP, KB_D, KB_DP)
         if HAS_FRESH:
             # Fresh full-precision keys at positions seen + j, causal among themselves.
             t_max = tl.minimum((tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)

@@ -384,7 +384,8 @@ def _append_grouped(k: torch.Tensor, v: torch.Tensor, layout: CacheLayout, codec
     group_a, group_b = codec.key_group_codecs
     offset = group_a.code_bytes("k")
     count = layout.nonfinite is not None
-    # (input, its columns, codec, kind, codes, scales, scale stride, counts the vector): the key groups, the values.
+    # (input, its codec, kind, codes, scales, code bytes per row, scales per row, counts non-finite vectors): the two
+    # key groups (a group's bytes and scale start inside the row), then the values.
     sides = ((stored[..., :group_a.head_dim], group_a, "k", layout.k_codes, k_scales, row_bytes, 2, count),
              (stored[..., group_a.head_dim:], group_b, "k", layout.k_codes[..., offset:], k_scales[..., 1:],
               row_bytes, 2, False),
