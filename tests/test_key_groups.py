@@ -227,14 +227,35 @@ def test_batch_edits_keep_each_sequences_order(gen):
     assert torch.equal(cache.dequantize()[0][:, :, :20], _expected_keys(cache, k[[1, 0], :, :20]))
 
 
-def test_the_cuda_kernels_leave_grouped_keys_to_triton():
-    """"auto" on CUDA tensors skips the CUDA kernels (they do not read key groups) for the Triton ones."""
+def test_auto_sends_grouped_keys_where_they_are_read():
+    """"auto" on CUDA tensors: cached attention goes to the CUDA implementation, which runs its kernel for the key
+    groups it is built for and hands other groupings to Triton; the CUDA quantize-append does not read groups, so
+    appends go to Triton."""
     from turboattn.ops import backend
     cuda = torch.device("cuda")
-    for op in ("cached_attention", "quantize_append"):
-        assert choose(op, "auto", cuda, 128, True) == "triton"
-        assert choose(op, "auto", cuda, 128, False) == "cuda"
-        assert not backend._REGISTRY[op]["cuda"].serves(128, True)
+    assert choose("cached_attention", "auto", cuda, 256, True) == "cuda"
+    assert choose("quantize_append", "auto", cuda, 128, True) == "triton"
+    assert choose("quantize_append", "auto", cuda, 128, False) == "cuda"
+    assert not backend._REGISTRY["quantize_append"]["cuda"].serves(128, True)
+
+
+def test_cuda_key_group_builds_match_the_kernels_list():
+    """config.CUDA_KEY_GROUPS names the builds of TURBOATTN_KEY_GROUPS (csrc/decode.h), and only those serve."""
+    import re
+    from pathlib import Path
+    from turboattn.ops.cached import config
+    header = (Path(config.__file__).parent / "csrc" / "decode.h").read_text()
+    macro = re.search(r"#define TURBOATTN_KEY_GROUPS\(X\)(.*)", header).group(1)
+    built = {(d, ((ga, kb), (d - ga, kb2)), vb)
+             for d, ga, kb, kb2, vb in (map(int, m) for m in re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+)\)", macro))}
+    assert built == set(config.CUDA_KEY_GROUPS) and len(built) >= 2
+    for d, groups, vb in built:
+        assert config.cuda_kernel_serves(d, groups, vb, 8) and not config.cuda_kernel_serves(d, groups, vb, 9)
+        assert KVCodec(d, None, vb, key_groups=groups).key_code == groups
+    assert not config.cuda_kernel_serves(256, ((128, 6), (128, 4)), 3, 1)
+    assert not config.cuda_kernel_serves(256, ((112, 6), (144, 4)), 4, 1)
+    # Tables: 6-bit (8 KB) + 4-bit (32 KB) + 3-bit values (12 KB); D = 256 kernels are built for 2 CTAs per SM.
+    assert config.cuda_ctas_per_sm(256, ((112, 6), (144, 4)), 3) == 2
 
 
 def test_a_forced_backend_that_does_not_read_groups_is_refused(gen, monkeypatch):

@@ -84,8 +84,8 @@ class _DecodeStep:
         self.capacity = cache.capacity
         # cached_attention's plans: a static cache's for its capacity, once; a growing cache's for the keys it holds,
         # plan_decode(*plan_head, keys, *plan_tail), looked up in `plans` (shared by the layers that plan alike).
-        self.plan = capacity_plan(q, layout, codec.k_bits, codec.v_bits, None, impl) if cache.is_static else None
-        self.plan_head = (q.device, d, codec.k_bits, codec.v_bits, b * hkv, tq * (hq // hkv))
+        self.plan = capacity_plan(q, layout, codec.key_code, codec.v_bits, None, impl) if cache.is_static else None
+        self.plan_head = (q.device, d, codec.key_code, codec.v_bits, b * hkv, tq * (hq // hkv))
         self.plan_tail = (None, None, impl, layout.exact_row_count)
         self.plans = _plans(self.plan_head, self.plan_tail)
 
@@ -215,7 +215,7 @@ def _checked_attention(q: torch.Tensor, cache: QuantizedKVCache, k: torch.Tensor
     # symbols: the implementation's name, a constant of the graph, takes the cache's head_dim (equal, as checked).
     impl = choose("cached_attention", backend, device, codec.head_dim, codec.grouped_keys)
     layout = cache.layout
-    k_bits, v_bits = codec.k_bits, codec.v_bits
+    k_bits, v_bits = codec.key_code, codec.v_bits   # key groups plan as such (plan_decode)
     if plan is not None:
         if num_splits is not None:
             plan = replace(plan, num_splits=num_splits)

@@ -1,5 +1,6 @@
-"""Keys in channel groups on the GPU (pytest -m gpu): the Triton kernels that serve them ("auto" picks Triton: the
-CUDA kernels do not read them yet) against the float64 PyTorch path at real shapes, and a tiny model end to end."""
+"""Keys in channel groups on the GPU (pytest -m gpu): the CUDA decode kernel (for the groupings it is built for,
+config.CUDA_KEY_GROUPS) and the Triton kernels (every grouping; the appends) against the float64 PyTorch path at
+real shapes, and a tiny model end to end."""
 
 import pytest
 import torch
@@ -27,8 +28,8 @@ CASES = [
 ]
 
 
-def _cache(d, groups, v_bits, b, hkv, length, window, first, recent):
-    codec = ta.KVCodec(d, None, v_bits, key_groups=groups, scale_dtype=torch.bfloat16)
+def _cache(d, groups, v_bits, b, hkv, length, window, first, recent, scale_dtype=torch.bfloat16):
+    codec = ta.KVCodec(d, None, v_bits, key_groups=groups, scale_dtype=scale_dtype)
     cache = ta.QuantizedKVCache(codec, b, hkv, capacity=None if window else length + 8, sliding_window=window,
                                 device="cuda", exact_first=first, exact_recent=recent)
     spread = torch.linspace(0.1, 3.0, d, device="cuda")[torch.randperm(d, device="cuda")]
@@ -37,23 +38,87 @@ def _cache(d, groups, v_bits, b, hkv, length, window, first, recent):
     cache.set_key_transform(k[:, :, :512].float().mean(2), torch.ones(b, hkv, d, device="cuda"),
                             fit_key_order(k[:, :, :512]))
     cache.append(k[:, :, :512], v[:, :, :512])
-    cache.append(k[:, :, 512:], v[:, :, 512:])
+    if length > 512:
+        cache.append(k[:, :, 512:], v[:, :, 512:])
     return cache
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"d{c[0]}-L{c[6]}" + ("-ring" if c[7] else "") for c in CASES])
 def test_triton_serves_grouped_keys_and_matches_float64(case):
     d, groups, v_bits, b, hkv, g, length, window, tq, fresh, first, recent = case
-    assert choose("cached_attention", "auto", torch.device("cuda"), d, True) == "triton"
     assert choose("quantize_append", "auto", torch.device("cuda"), d, True) == "triton"
     torch.manual_seed(0)
     cache = _cache(d, groups, v_bits, b, hkv, length, window, first, recent)
     q, kf, vf, _ = decode_inputs(b, hkv, g, tq, d, fresh, False)
     ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
     poison_allocator()
+    out = ta.cached_attention(q, cache, kf, vf, backend="triton")
+    assert out.dtype == q.dtype and torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOL
+
+
+CUDA_CASES = [
+    # key groups, B, Hkv, G, length, ring W, Tq, fresh, exact first, exact recent, scale dtype
+    (((112, 6), (144, 4)), 2, 1, 4, 3000, None, 1, True, 4, 8, torch.bfloat16),   # Gemma-3-like, preset options
+    (((112, 6), (144, 4)), 2, 1, 4, 1100, 512, 1, True, 0, 8, torch.bfloat16),    # its sliding layers' ring
+    (((112, 6), (144, 4)), 3, 2, 8, 1000, 501, 1, False, 0, 0, torch.bfloat16),   # a ring of odd capacity: clamped
+    (((96, 6), (160, 4)), 2, 2, 4, 5000, None, 2, True, 0, 0, torch.float32),     # 8 query rows, float32 scales
+    (((96, 6), (160, 4)), 1, 1, 1, 37, None, 1, False, 4, 0, torch.bfloat16),     # short, G = 1, exact first only
+    (((96, 6), (160, 4)), 4, 1, 2, 2500, None, 3, True, 0, 64, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=[f"a{c[0][0][0]}-L{c[4]}" + ("-ring" if c[5] else "") + f"-{i}"
+                                                  for i, c in enumerate(CUDA_CASES)])
+def test_cuda_kernel_serves_its_key_groups_and_matches_float64(case, monkeypatch):
+    from turboattn.ops.cached import cuda as cuda_path
+    groups, b, hkv, g, length, window, tq, fresh, first, recent, scale_dtype = case
+    d = 256
+    assert choose("cached_attention", "auto", torch.device("cuda"), d, True) == "cuda"
+
+    def no_fallback(*args):
+        raise AssertionError("the CUDA kernel handed the call to Triton")
+    monkeypatch.setattr(cuda_path, "cached_attention_triton", no_fallback)
+    torch.manual_seed(0)
+    cache = _cache(d, groups, 3, b, hkv, length, window, first, recent, scale_dtype)
+    q, kf, vf, _ = decode_inputs(b, hkv, g, tq, d, fresh, False)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, kf, vf, compute_dtype=torch.float64)
+    poison_allocator()
     out = ta.cached_attention(q, cache, kf, vf)
     assert out.dtype == q.dtype and torch.isfinite(out).all()
     assert rel_error(out, ref) < TOL
+    # The decode step's launcher (attention.py's fast path) gives the same output.
+    again = ta.cached_attention(q, cache, kf, vf)
+    assert torch.equal(again, out)
+
+
+def test_cuda_key_group_builds_agree_with_the_planner():
+    from turboattn.ops.cached.config import CUDA_KEY_GROUPS, cuda_ctas_per_sm
+    from turboattn.ops.cuda_extension import extension
+    ext = extension()
+    for d, groups, v_bits in CUDA_KEY_GROUPS:
+        for exact in (False, True):
+            built = ext.ctas_per_sm(d, groups[0][1], v_bits, exact, groups[0][0], groups[1][1])
+            assert built == cuda_ctas_per_sm(d, groups, v_bits, exact), (d, groups, v_bits, exact)
+    assert ext.ctas_per_sm(256, 6, 3, False, 128, 4) == -1
+
+
+def test_cuda_key_groups_poison_checked_nonfinite_keys():
+    """A non-finite key (both group scales NaN) gives NaN where it is seen, as the reference does."""
+    torch.manual_seed(3)
+    groups = ((112, 6), (144, 4))
+    codec = ta.KVCodec(256, None, 3, key_groups=groups, scale_dtype=torch.bfloat16)
+    cache = ta.QuantizedKVCache(codec, 2, 1, capacity=700, device="cuda")
+    k = torch.randn(2, 1, 600, 256, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 1, 600, 256, device="cuda", dtype=torch.bfloat16)
+    cache.set_key_transform(k.float().mean(2), torch.ones(2, 1, 256, device="cuda"), fit_key_order(k))
+    k[1, 0, 300, 5] = float("inf")
+    cache.append(k, v)
+    q = torch.randn(2, 4, 1, 256, device="cuda", dtype=torch.bfloat16)
+    out = ta.cached_attention(q, cache)
+    ref = cached_attention_naive(q, cache.layout, cache.codec, compute_dtype=torch.float64)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all() and torch.isnan(ref[1]).all()
+    assert rel_error(out[0], ref[0]) < TOL
 
 
 def test_triton_append_codes_like_the_pytorch_path():

@@ -251,8 +251,13 @@ class KVCodec:
 
     @property
     def grouped_keys(self) -> bool:
-        """Whether keys are coded in channel groups (the CUDA kernels do not read them yet: ops/backend.py)."""
+        """Whether keys are coded in channel groups (which kernels read them: ops/backend.py)."""
         return bool(self.key_groups)
+
+    @property
+    def key_code(self) -> int | tuple[tuple[int, int], ...]:
+        """The keys' code as the decode plans and kernel builds tell them apart: k_bits, or the key groups."""
+        return self.key_groups if self.key_groups else self.k_bits
 
     @cached_property
     def key_group_codecs(self) -> tuple[KVCodec, ...]:

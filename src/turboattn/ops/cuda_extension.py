@@ -20,7 +20,8 @@ def _sources() -> list[Path]:
     # One translation unit per decode head dim and variant (with or without exact rows): ninja builds them in
     # parallel.
     decode = [_OPS / "cached" / "csrc" / f"decode_d{d}{variant}.cu" for d in CUDA_HEAD_DIMS for variant in ("", "_exact")]
-    return [_OPS / "csrc" / "binding.cpp", *decode, _OPS / "quantize" / "csrc" / "quantize.cu"]
+    return [_OPS / "csrc" / "binding.cpp", *decode, _OPS / "cached" / "csrc" / "decode_groups.cu",
+            _OPS / "quantize" / "csrc" / "quantize.cu"]
 
 
 @lru_cache(maxsize=None)

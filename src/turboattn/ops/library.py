@@ -216,7 +216,7 @@ def run_cached_attention(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tens
             layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v,
             layout.exact_first, impl)
     if plan is None:
-        plan = capacity_plan(q, layout, k_bits, v_bits, num_splits, impl)
+        plan = capacity_plan(q, layout, codec.key_code, v_bits, num_splits, impl)
     return _attend(q, layout, codec, k, v, sinks, scale, softcap, plan, impl)
 
 

@@ -46,6 +46,9 @@ def check_kernel_head_dim(op: str, head_dim: int) -> None:
 # more kernel per head dim and variant to build, so not every one of the 36 pairs is built.
 CUDA_BIT_PAIRS = frozenset({(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (4, 3), (4, 4), (4, 8), (5, 3), (5, 4), (5, 5),
                             (6, 6), (8, 2), (8, 4), (8, 8)})
+# Keys in two channel groups on the CUDA kernel (csrc/decode.h: TURBOATTN_KEY_GROUPS, the same builds; a GPU test
+# compares them): (head_dim, key_groups, v_bits).  Other groupings go to the Triton kernel.
+CUDA_KEY_GROUPS = frozenset({(256, ((112, 6), (144, 4)), 3), (256, ((96, 6), (160, 4)), 3)})
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
 CUDA_MIN_KEYS_PER_SPLIT = 256
@@ -165,14 +168,18 @@ def cuda_merge_apart(num_parts: int, rows: int, head_dim: int) -> bool:
     return num_parts * rows * head_dim >= CUDA_MERGE_APART
 
 
-def cuda_kernel_serves(head_dim: int, k_bits: int, v_bits: int, query_rows: int) -> bool:
-    """Whether the CUDA kernel covers a call of this shape (the device check is cuda.py's)."""
+def cuda_kernel_serves(head_dim: int, k_bits: int | tuple, v_bits: int, query_rows: int) -> bool:
+    """Whether the CUDA kernel covers a call of this shape (the device check is cuda.py's).  k_bits: the keys'
+    code, bits or key groups (KVCodec.key_code)."""
+    if isinstance(k_bits, tuple):
+        return (head_dim, k_bits, v_bits) in CUDA_KEY_GROUPS and query_rows <= CUDA_MAX_ROWS
     return head_dim in CUDA_HEAD_DIMS and (k_bits, v_bits) in CUDA_BIT_PAIRS and query_rows <= CUDA_MAX_ROWS
 
 
 @lru_cache(maxsize=None)
-def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int, exact: bool = False) -> int:
-    """CTAs per SM the CUDA kernel of this shape is built for (exact: the build for caches with exact rows): ctas_per_sm
+def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: bool = False) -> int:
+    """CTAs per SM the CUDA kernel of this shape (k_bits: bits or key groups, as cuda_kernel_serves) is built for
+    (exact: the build for caches with exact rows): ctas_per_sm
     in csrc/decode.cuh, which is the truth (its launch bound); a GPU test checks that the two agree.  Shared memory,
     out of 228 KB: the byte -> fp16 tables (one per distinct bit width; 32 columns of 4-byte entries, of 8-byte
     entries for 2 bits, 16 of them where the 2-bit table is one of two or at head_dim 64; 256 rows, 96 for 3 bits,
@@ -185,7 +192,10 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int, v_bits: int, exact: bool = Fals
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and head_dim != 64 else 128)
     sliced = head_dim >= 512
-    tables = table(k_bits) + (0 if k_bits == v_bits else table(v_bits))
+    if isinstance(k_bits, tuple):   # key groups: a table per distinct group width of codes, and V's own
+        tables = sum(table(bits) for bits in {bits for _, bits in k_bits}) + table(v_bits)
+    else:
+        tables = table(k_bits) + (0 if k_bits == v_bits else table(v_bits))
     scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if head_dim == 256 else 0) + 2048
               + (2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))

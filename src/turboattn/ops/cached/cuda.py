@@ -1,13 +1,14 @@
 """The CUDA fast path of cached attention: the bit pairs of config.CUDA_BIT_PAIRS (every preset: 2 to 8-bit K and V)
-at head_dim 64/128/256/512 on tensor cores (csrc/decode.cuh), float32 or bfloat16 scales.
+at head_dim 64/128/256/512 and the key groups of config.CUDA_KEY_GROUPS on tensor cores (csrc/decode.cuh), float32
+or bfloat16 scales.
 
 One launch covers the cache splits and, while the parts are small, their merge: with exact rows (an exact recent
 window, exact first tokens), the plan's exact_parts more CTAs per (sequence, KV head) attend them in full precision
 (at most config.cuda_exact_parts), each one more part; the last CTA of each sequence x KV head attends the fresh k/v
 tokens (when given) in full precision, merges them with the parts, adds the sinks, rotates back and casts.  Larger
 parts (config.cuda_merge_apart) are merged the same way by a second launch, one CTA per output row.  Calls the
-kernel does not serve (other bit pairs or head dims, more than 8 query rows per KV head, GPUs before sm_80) go to
-the Triton path, under the device guard (ops/guard.py), which the extension's launches do without: they guard
+kernel does not serve (other bit pairs or head dims, key groups other than config.CUDA_KEY_GROUPS, more than 8 query
+rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which the extension's launches do without: they guard
 themselves.  The extension is built with nvcc on first use (ops/cuda_extension.py), for the GPUs this process sees.
 """
 
@@ -22,7 +23,7 @@ from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
                      cuda_exact_parts, cuda_kernel_serves, cuda_merge_apart, plan_decode)
-from .triton import cached_attention_triton, query_scale
+from .triton import cached_attention_triton, group_rotation, query_scale
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -34,7 +35,7 @@ def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
 
 
 def _serves(codec: KVCodec, rows: int, device: torch.device) -> bool:
-    return cuda_kernel_serves(codec.head_dim, codec.k_bits, codec.v_bits, rows) and capable(device)
+    return cuda_kernel_serves(codec.head_dim, codec.key_code, codec.v_bits, rows) and capable(device)
 
 
 def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.Tensor | None = None,
@@ -50,7 +51,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     # cuda_kernel_serves and the GPU: the head dim, bits and device in fixed.serves, the rows here.
     ext = extension() if fixed.serves and rows <= CUDA_MAX_ROWS else None
     if ext is not None and plan is None:
-        plan = plan_decode(q.device, d, codec.k_bits, codec.v_bits, b * hkv, rows, fixed.capacity, None, None, "cuda",
+        plan = plan_decode(q.device, d, codec.key_code, codec.v_bits, b * hkv, rows, fixed.capacity, None, None, "cuda",
                            fixed.exact_row_count)
     num_parts = plan.num_splits + _exact_ctas(plan, fixed) if ext is not None else 0   # exact CTAs after the splits
     if ext is None or num_parts > CUDA_MAX_PARTS:
@@ -80,7 +81,8 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     return ext.decode(q, *fixed.head, *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0),
                       fixed.window, plan.num_splits, num_parts, fixed.ring, has_fresh, CUDA_CHUNK_ALIGN, counters,
                       None, sinks, k, v, fixed.fresh_key_shift if has_fresh else fixed.key_shift, *exact_rows,
-                      cuda_merge_apart(num_parts, rows, d))
+                      cuda_merge_apart(num_parts, rows, d), *fixed.groups,
+                      _queries_in_groups(q, fixed) if fixed.groups[0] else None)
 
 
 def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None,
@@ -98,7 +100,7 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
         return None   # the Triton path, or the rows or counters of each call: cached_attention_cuda's work
     head, most_exact, key_shift, exact_rows = fixed.head, fixed.exact_parts, fixed.fresh_key_shift, fixed.exact_rows
     q_scale, kernel_softcap = float(query_scale(d, scale, softcap)), float(softcap or 0.0)
-    window, ring, counters = fixed.window, fixed.ring, fixed.counters
+    window, ring, counters, groups = fixed.window, fixed.ring, fixed.counters, fixed.groups
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         # The exact CTAs' parts after the splits (_exact_ctas, inline: this is the decode step's host path).
@@ -110,8 +112,22 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
             return cached_attention_cuda(q, layout, codec, k, v, scale, softcap, None, plan)
         return ext.decode(q, *head, *part_scratch(q, hkv, num_parts), q_scale, kernel_softcap, window,
                           plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
-                          key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d))
+                          key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d), *groups,
+                          _queries_in_groups(q, fixed) if groups[0] else None)
     return launch
+
+
+def _queries_in_groups(q: torch.Tensor, fixed: _LayoutArgs) -> torch.Tensor:
+    """q in the key groups' domain as the kernel reads it (DecodeParams::q_keys), float32 [B, Hq, Tq, D]
+    contiguous: (q / gain)[order] (key_transform.to_stored_queries) as one gather and one product with the gains
+    already in channel order, then one product with the groups' block-diagonal rotation."""
+    b, hq, tq, d = q.shape
+    hkv = fixed.num_kv_heads
+    x = q.reshape(b, hkv, hq // hkv, tq, d)
+    if fixed.query_index is not None:
+        x = x.gather(-1, fixed.query_index.expand(x.shape))
+    x = x * fixed.query_gain_inv if fixed.query_gain_inv is not None else x.to(torch.float32)
+    return x.reshape(b, hq, tq, d) @ fixed.query_rotation
 
 
 def _exact_ctas(plan: DecodePlan, fixed: _LayoutArgs) -> int:
@@ -131,8 +147,9 @@ class _LayoutArgs:
     """The decode launch's arguments that come from a layout and its codec alone, derived once per layout (a decode
     step's layout is the same object every step until the cache's tensors change: CacheLayout.derived)."""
 
-    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact_row_count", "exact_parts", "head", "window",
-                 "ring", "counters", "key_shift", "fresh_key_shift", "exact_rows")
+    __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact_row_count", "exact_parts", "head", "groups",
+                 "query_index", "query_gain_inv", "query_rotation", "window", "ring", "counters", "key_shift",
+                 "fresh_key_shift", "exact_rows")
 
     def __init__(self, layout: CacheLayout, codec: KVCodec):
         k_codes = layout.k_codes
@@ -140,15 +157,30 @@ class _LayoutArgs:
         self.codec = codec
         self.num_kv_heads, self.capacity = k_codes.shape[1], k_codes.shape[2]
         # rows: the call's.  The kernel reads scales as aligned 32-bit words (the cache allocates them so).
-        self.serves = (cuda_kernel_serves(d, codec.k_bits, codec.v_bits, 1) and capable(dev)
+        self.serves = (cuda_kernel_serves(d, codec.key_code, codec.v_bits, 1) and capable(dev)
                        and layout.k_scales.data_ptr() % 4 == 0 and layout.v_scales.data_ptr() % 4 == 0)
         self.exact_row_count = layout.exact_row_count
         # The most exact CTAs per (sequence, KV head) (the plan may take fewer: _exact_ctas).
         self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0
         transform = layout.key_gain is not None
+        # Key groups: the kernel takes group a's width and both groups' bits, and q already in the groups' domain
+        # (_queries_in_groups: the gain applied there).
+        groups = codec.key_groups
+        self.groups = (groups[0][0], groups[1][1]) if groups else (0, 0)
+        # ... and _queries_in_groups' tensors: the order as a gather index and the gains' inverses in that order,
+        # [B, Hkv, 1, 1, D] (None: no order, no gains), and the rotation.
+        self.query_index = self.query_gain_inv = self.query_rotation = None
+        if groups and self.serves:
+            order = layout.key_order.to(torch.int64) if layout.key_order is not None else None
+            gain_inv = layout.key_gain_inv if transform else None
+            if gain_inv is not None and order is not None:
+                gain_inv = gain_inv.gather(-1, order)
+            self.query_index = order[:, :, None, None] if order is not None else None
+            self.query_gain_inv = gain_inv[:, :, None, None].to(torch.float32) if gain_inv is not None else None
+            self.query_rotation = group_rotation(groups, dev)
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-                     layout.key_gain_inv if transform else None, device_signs(d, dev), codec.k_bits,
-                     codec.v_bits) if self.serves else None
+                     layout.key_gain_inv if transform and not groups else None, device_signs(d, dev),
+                     groups[0][1] if groups else codec.k_bits, codec.v_bits) if self.serves else None
         # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
         shift = layout.key_shift if transform and layout.key_shifted else None
         self.fresh_key_shift = shift                               # calls with fresh k, v

@@ -58,7 +58,7 @@ from ...format.codebook import device_centroids
 from ...format.codec import KVCodec
 from ...format.key_transform import to_stored_keys, to_stored_queries
 from ...format.layout import CacheLayout
-from ...format.rotation import device_signs, rotate
+from ...format.rotation import device_signs, rotate, rotation_matrix
 from ..triton_lib import (LOG2E, finish_split, hadamard_tile, key_transform_rows, kron_rows, kron_tile,
                           load_padded_vector, merge_splits, online_softmax, padded_columns, padded_factor,
                           padded_mask, tanh)
@@ -501,10 +501,10 @@ def query_scale(d: int, scale: float | None, softcap: float | None) -> float:
 @lru_cache(maxsize=None)
 def group_rotation(key_groups: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
     """G [D, D] float32 with x @ G = each key group of x rotated as its codec rotates it (block diagonal: one
-    product where the rotations' butterflies take a few dozen small ops)."""
+    product where the rotations' butterflies take a few dozen small ops); cached, read-only."""
     width = key_groups[0][0]
-    eye_a, eye_b = (torch.eye(w, dtype=torch.float64) for w in (width, sum(c for c, _ in key_groups) - width))
-    return torch.block_diag(rotate(eye_a), rotate(eye_b)).to(device, torch.float32)
+    rest = sum(c for c, _ in key_groups) - width
+    return torch.block_diag(rotation_matrix(width).T, rotation_matrix(rest).T).to(device, torch.float32)
 
 
 def grouped_key_rows(x: torch.Tensor, layout: CacheLayout, codec: KVCodec, queries: bool,

@@ -29,7 +29,8 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
                      const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new,
                      const c10::optional<torch::Tensor>& key_shift, const c10::optional<torch::Tensor>& recent_k,
                      const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
-                     const c10::optional<torch::Tensor>& first_v, bool merge_apart) {
+                     const c10::optional<torch::Tensor>& first_v, bool merge_apart, int64_t key_group_a,
+                     int64_t k_bits_b, const c10::optional<torch::Tensor>& q_keys) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -45,6 +46,11 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.starts = starts.data_ptr<int>();
   p.gain_inv = gain_inv.has_value() ? gain_inv->data_ptr<float>() : nullptr;
   p.signs = signs.data_ptr<float>();
+  // Keys in two channel groups (key_group_a > 0): q in the groups' domain, float32 [B, Hq, Tq, D] contiguous.
+  TORCH_CHECK(key_group_a == 0 || (q_keys.has_value() && q_keys->is_contiguous() && q_keys->sizes() == q.sizes() &&
+                                   q_keys->scalar_type() == at::kFloat),
+              "turboattn decode: key groups need q_keys, float32 and contiguous, of q's shape");
+  p.q_keys = key_group_a > 0 ? q_keys->data_ptr<float>() : nullptr;
   const int64_t rows = q.size(2) * (q.size(1) / k_codes.size(1));
   const int64_t part_rows = k_codes.size(0) * k_codes.size(1) * num_parts * rows;
   TORCH_CHECK(o_part.has_value() == lse_part.has_value(),
@@ -123,7 +129,11 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   TORCH_CHECK(merge_apart || counters.has_value(), "turboattn decode: the fused merge needs the arrival counters");
   if (merge_apart) p.counters = nullptr;
   int err = -1;
-  if (head_dim == 64) {
+  if (key_group_a > 0) {
+    err = launch_decode_groups(p, head_dim, key_group_a, k_bits, k_bits_b, v_bits, exact, batch_kv_heads, stream);
+    TORCH_CHECK(err != -1, "turboattn decode: no kernel for key groups (", key_group_a, " x ", k_bits, ", ",
+                head_dim - key_group_a, " x ", k_bits_b, "), v_bits ", v_bits, " at head_dim ", head_dim);
+  } else if (head_dim == 64) {
     err = (exact ? launch_decode_d64_exact : launch_decode_d64)(p, k_bits, v_bits, batch_kv_heads, stream);
   } else if (head_dim == 128) {
     err = (exact ? launch_decode_d128_exact : launch_decode_d128)(p, k_bits, v_bits, batch_kv_heads, stream);
@@ -144,7 +154,9 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   return output;
 }
 
-int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits, bool exact) {
+int64_t ctas_per_sm(int64_t head_dim, int64_t k_bits, int64_t v_bits, bool exact, int64_t key_group_a,
+                    int64_t k_bits_b) {
+  if (key_group_a > 0) return ctas_per_sm_groups(head_dim, key_group_a, k_bits, k_bits_b, v_bits, exact);
   if (head_dim == 64) return ctas_per_sm_d64(k_bits, v_bits, exact);
   if (head_dim == 128) return ctas_per_sm_d128(k_bits, v_bits, exact);
   if (head_dim == 256) return ctas_per_sm_d256(k_bits, v_bits, exact);
@@ -239,6 +251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes, scales and exact "
         "rows, advancing its lengths; D = 64 / 128 / 256 / 512, every bit width");
   m.attr("COUNTERS_PER_HEAD") = turboattn::COUNTERS_PER_HEAD;
-  m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits, exact rows) is built "
-        "for; -1: none");
+  m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits, exact rows, key group a's "
+        "width or 0, group b's bits) is built for; -1: none", py::arg("head_dim"), py::arg("k_bits"),
+        py::arg("v_bits"), py::arg("exact"), py::arg("key_group_a") = 0, py::arg("k_bits_b") = 0);
 }

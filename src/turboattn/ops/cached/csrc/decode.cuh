@@ -26,12 +26,14 @@
 // output and log2-sum-exp; with counters given, the last CTA of each (sequence, KV head) merges all parts
 // (merge_parts) in the same launch, and otherwise a second launch merges them, one CTA per output row
 // (merge_rows).  D = 512 splits each row's dims over the warps instead of its keys (Shape::SLICED) and reads two
-// norm blocks (KeyCodes::BLOCKED).
+// norm blocks (KeyCodes::BLOCKED).  Keys in two channel groups (KeyGroups, decode_groups.cu) take q already in the
+// groups' domain and score each group in its own chain.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "codebooks.h"
@@ -416,33 +418,140 @@ struct ValueCodes {
   }
 };
 
+// Keys coded in two channel groups (format/codec.py: key_groups): group a, the first GA stored channels at KB bits,
+// then group b, the other D - GA at KB2 bits, each a planar row of its own width (rotated by its own rotation, which
+// the host applies to q: DecodeParams::q_keys) with its own scale, group a's bytes first.  A group's width is a
+// multiple of 16 but need not give each lane whole words, and group b's bytes start on any 4-byte boundary (e.g.
+// 156-byte keys of 112 x 6 + 144 x 4 bits), so a lane's slice is strided: word i of its low plane is bytes
+// [16 i + 4 c, 16 i + 4 c + 4), holding k-steps 2i and 2i + 1 of a 4-bit low plane (bytes 2 (kk % 2) + reg, dims j
+// and j + W / 2 as in KeyCodes) or k-step i of an 8-bit one, and an odd last k-step of a 4-bit low plane takes the
+// 2 bytes at 16 i + 2 c.  The high plane's bits of low byte j sit in its byte j % P1 at bit HIGH (j / P1)
+// (HighPlane's rule), per word: a word never straddles P1 (5 bits need W % 32 == 0 for that).
+template <int W, int BITS>
+struct GroupCodes {
+  using P = Planes<BITS>;
+  static_assert(P::LOW == 4 || P::LOW == 8, "key groups on the CUDA kernel have 4, 5, 6 or 8 bits");
+  static_assert(W % 16 == 0 && (P::HIGH != 1 || W % 32 == 0), "a group's width is a multiple of 16 (32 at 5 bits)");
+  using Table = CodeTable<BITS, true>;  // 4 to 8 bits: one column per lane, compact or not
+  static constexpr int ROW_BYTES = W * BITS / 8;
+  static constexpr int K_STEPS = W / 16;
+  static constexpr int P0 = W * P::LOW / 8, P1 = P::HIGH ? W * P::HIGH / 8 : 1;
+  static constexpr bool TAIL = P::LOW == 4 && K_STEPS % 2 == 1;   // the last low word is 2 bytes
+  static constexpr int LOW_WORDS = P::LOW == 8 ? K_STEPS : (K_STEPS + 1) / 2;
+  static constexpr int WORDS = LOW_WORDS * (P::HIGH ? 2 : 1);
+
+  __device__ __forceinline__ static int low_byte(int c, int i) {
+    return TAIL && i == LOW_WORDS - 1 ? 16 * i + 2 * c : 16 * i + 4 * c;
+  }
+  // The lane's words of one key's group row (4-byte aligned, as every low_byte and high byte of a word is).
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, uint32_t* w) {
+#pragma unroll
+    for (int i = 0; i < LOW_WORDS; ++i) {
+      const int j = low_byte(c, i);
+      if (TAIL && i == LOW_WORDS - 1) {
+        w[i] = __ldcs(reinterpret_cast<const unsigned short*>(row + j));
+        if constexpr (P::HIGH > 0) w[LOW_WORDS + i] = __ldcs(reinterpret_cast<const unsigned short*>(row + P0 + j % P1));
+      } else {
+        w[i] = __ldcs(reinterpret_cast<const unsigned int*>(row + j));
+        if constexpr (P::HIGH > 0) w[LOW_WORDS + i] = __ldcs(reinterpret_cast<const unsigned int*>(row + P0 + j % P1));
+      }
+    }
+  }
+  __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset, const uint32_t* w,
+                                                   int kk, int c) {
+    if constexpr (P::LOW == 8) {  // bytes 2 reg + h of word kk: one dim each
+      uint32_t x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, w[kk], i);
+      return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
+    } else {
+      const int i = kk / 2, b = 2 * (kk % 2);
+      if constexpr (BITS == 4) {
+        return make_uint2(Table::lookup(table, lane_offset, w[i], b), Table::lookup(table, lane_offset, w[i], b + 1));
+      } else {
+        const uint2 m = merge_planes<BITS>(w[i], w[LOW_WORDS + i], P::HIGH * (low_byte(c, i) / P1));
+        return make_uint2(
+            low_halves(Table::lookup(table, lane_offset, m.x, b), Table::lookup(table, lane_offset, m.y, b)),
+            low_halves(Table::lookup(table, lane_offset, m.x, b + 1), Table::lookup(table, lane_offset, m.y, b + 1)));
+      }
+    }
+  }
+  __device__ __forceinline__ static int dim(int c, int kk, int reg, int h) {
+    if constexpr (P::LOW == 8) return 16 * kk + 4 * c + 2 * reg + h;
+    else return low_byte(c, kk / 2) + 2 * (kk % 2) + reg + h * (W / 2);
+  }
+};
+
+// Both groups as the kernel's K side: k-steps [0, A_STEPS) are group a's, the rest group b's; the scores of each
+// group are summed in their own accumulator and scaled by their own scale.  The tables: group a's, then group b's
+// (unless both have one width of codes).
+template <int D, int GA, int KB, int KB2>
+struct KeyGroups {
+  using A = GroupCodes<GA, KB>;
+  using B = GroupCodes<D - GA, KB2>;
+  static constexpr int ROW_BYTES = A::ROW_BYTES + B::ROW_BYTES;
+  static constexpr int WORDS = A::WORDS + B::WORDS;
+  static constexpr int A_STEPS = A::K_STEPS;
+  static constexpr int B_TABLE = KB == KB2 ? 0 : A::Table::WORDS;   // group b's table, in words after group a's
+  static constexpr int TABLE_WORDS = B_TABLE + B::Table::WORDS;
+  static_assert(A::ROW_BYTES % 4 == 0, "group b's bytes start on a 4-byte boundary");
+
+  __device__ __forceinline__ static void build(uint32_t* table) {
+    A::Table::build(table);
+    if constexpr (KB != KB2) B::Table::build(table + B_TABLE);
+  }
+  __device__ __forceinline__ static void load(const uint8_t* row, int c, uint32_t (&w)[WORDS]) {
+    A::load(row, c, w);
+    B::load(row + A::ROW_BYTES, c, w + A::WORDS);
+  }
+  __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset,
+                                                   const uint32_t (&w)[WORDS], int kk, int c) {
+    if (kk < A_STEPS) return A::fragment(table, lane_offset, w, kk, c);
+    return B::fragment(table + B_TABLE, lane_offset, w + A::WORDS, kk - A_STEPS, c);
+  }
+  __device__ __forceinline__ static int dim(int c, int kk, int reg, int h) {
+    return kk < A_STEPS ? A::dim(c, kk, reg, h) : GA + B::dim(c, kk - A_STEPS, reg, h);
+  }
+};
+
 // D = 512 splits each row's dims over the warps (SLICES = WARPS): a warp's output accumulators are then D / 4 dims'
 // (32 registers, as at D = 128) instead of D's (128 registers at D = 512), at the price of a shared-memory sum of
 // the warps' partial scores per tile.
 template <int D>
 constexpr int slices() { return D >= 512 ? WARPS : 1; }
 
-template <int D, int KB, int VB>
+// The K side's table words: KeyGroups' (both groups) or the one CodeTable's (only the chosen type is instantiated).
+template <bool GROUPED, class K, class KTable>
+struct KTableWords { static constexpr int value = KTable::WORDS; };
+template <class K, class KTable>
+struct KTableWords<true, K, KTable> { static constexpr int value = K::TABLE_WORDS; };
+
+// GA > 0: keys in two channel groups (KeyGroups: GA channels at KB bits, D - GA at KB2).
+template <int D, int KB, int VB, int GA = 0, int KB2 = 0>
 struct Shape {
   static constexpr int SLICES = slices<D>();
   static constexpr bool SLICED = SLICES > 1;
+  static constexpr bool GROUPED = GA > 0;
+  static_assert(!GROUPED || !SLICED, "key groups are read by the unsliced kernel");
   static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
+  static constexpr int KNB = GROUPED ? 2 : NB;       // K scales per token: one per group when grouped
   static_assert(NB == 1 || SLICED, "two norm blocks are read by the sliced kernel");
   // A 2-bit table is compact beside a second table and at D = 64 (CodeTable).
   using KTable = CodeTable<KB, KB != VB || D == 64>;
-  using VTable = CodeTable<VB, KB != VB || D == 64>;
-  using K = KeyCodes<KB, D, SLICES, KTable>;
+  using VTable = CodeTable<VB, KB != VB || D == 64 || GROUPED>;
+  using K = std::conditional_t<GROUPED, KeyGroups<D, GA, KB, KB2>, KeyCodes<KB, D, SLICES, KTable>>;
   using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
   static constexpr bool Q_IN_SMEM = K_STEPS >= 16;  // q fragments: registers would crowd out the accumulators
   // One shared copy of the q fragments serves every warp only when the warps share their dims (not sliced).
   static_assert(!(Q_IN_SMEM && SLICED), "sliced warps hold different q fragments");
-  // Dynamic shared memory: the K table, then the V table unless both sides share one codebook.  After the main
+  // Dynamic shared memory: the K table(s), then the V table unless both sides share one codebook.  After the main
   // loop the same space holds the warps' outputs (not when sliced: a warp owns its dims), the merge's weights
   // (MAX_ROWS x MAX_PARTS) or the exact part's scratch (less than either), so it is at least SCRATCH_WORDS.
-  static constexpr bool SHARED_TABLE = KB == VB;
-  static constexpr int TABLE_WORDS = KTable::WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
+  static constexpr bool SHARED_TABLE = KB == VB && !GROUPED;
+  static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
+  static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
   static constexpr int WARP_OUT_WORDS = SLICED ? 0 : WARPS * MAX_ROWS * D;
   static constexpr int SCRATCH_WORDS = WARP_OUT_WORDS > MAX_ROWS * MAX_PARTS ? WARP_OUT_WORDS : MAX_ROWS * MAX_PARTS;
   static constexpr int DYNAMIC_WORDS = TABLE_WORDS > SCRATCH_WORDS ? TABLE_WORDS : SCRATCH_WORDS;
@@ -564,13 +673,20 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf)
 
 // One warp's 16-key tile as this lane needs it: K code words of keys g and g + 8, V code words of keys 2c, 2c+1,
 // 2c+8, 2c+9, and the scales of keys g and g + 8 (the lane's score keys).
+// The k-steps of key group a (the scores' first chain); every k-step when the keys are not grouped.
+template <class S>
+__host__ __device__ constexpr int key_group_steps() {
+  if constexpr (S::GROUPED) return S::K::A_STEPS;
+  else return S::K_STEPS;
+}
+
 template <class S>
 struct TileData {
   uint32_t kw[2][S::K::WORDS];
   uint32_t vw[4][S::V::WORDS];
-  // [key g, g + 8][norm block]: the words that hold the scales, made floats (scale_value) only where the tile is
-  // processed, so that no instruction waits on the loads in flight.
-  uint32_t k_scale[2][S::NB], v_scale[2][S::NB];
+  // [key g, g + 8][norm block, or key group]: the words that hold the scales, made floats (scale_value) only where
+  // the tile is processed, so that no instruction waits on the loads in flight.
+  uint32_t k_scale[2][S::KNB], v_scale[2][S::NB];
 };
 
 // This lane's addresses at slot 0 of its (sequence, KV head): every load of a tile is one of these plus the
@@ -584,9 +700,11 @@ struct LanePointers {
   const uint8_t* vs;  // the word that holds the V scale of key g, block 0
   int k_high, v_high;  // two-plane codes: the high plane's slice, in bytes after the low plane's
   int scale_row;       // bytes per key of the scales (norm blocks x 2 or 4)
-  int block_step;      // bytes from block 0's word to block 1's (two norm blocks)
+  int block_step;      // bytes from block 0's word to block 1's (two norm blocks, or the K side's two key groups)
   uint32_t sel[2];     // per block: the byte permutation of its word that gives the float (K and V alike: both
                        // scale tensors are 4-byte aligned, cuda.py)
+  int k_scale_row;     // key groups: bytes per key of the K scales (two per key; scale_row is then V's)
+  uint32_t v_sel;      // key groups: V's permutation (its rows are half as long as K's)
 };
 
 // The byte permutations that make a scale's word its float: float32, the word itself; bfloat16, the word's low or
@@ -611,16 +729,31 @@ __device__ __forceinline__ float scale_value(uint32_t word, uint32_t sel) { retu
 // turns into them.
 template <class S, bool CLAMPED>
 __device__ __forceinline__ void load_scales(const LanePointers& lp, const int (&slots)[2], TileData<S>& t) {
+  // Key groups: K rows of two scales beside V rows of one, each side with its own row length and permutations.
+  const int k_row = S::GROUPED ? lp.k_scale_row : lp.scale_row;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     // Unclamped slots are not negative: one wide multiply-add per address.
     const size_t offset = CLAMPED ? (size_t)((ptrdiff_t)slots[n] * lp.scale_row)
                                   : (size_t)(uint32_t)slots[n] * (uint32_t)lp.scale_row;
-    const uint8_t* ks = lp.ks + offset;
+    const size_t k_offset = !S::GROUPED ? offset
+                            : CLAMPED   ? (size_t)((ptrdiff_t)slots[n] * k_row)
+                                        : (size_t)(uint32_t)slots[n] * (uint32_t)k_row;
+    const uint8_t* ks = lp.ks + k_offset;
     const uint8_t* vs = lp.vs + offset;
     if constexpr (CLAMPED) {
       const int bytes = lp.scale_row / S::NB;
       const bool bf16 = bytes == 2;
+      if constexpr (S::GROUPED) {
+        // K rows (two scales) keep the lane's word alignment at any slot; V's scale is read from its own address
+        // and stored as the word that the lane's permutation turns into it.
+#pragma unroll
+        for (int b = 0; b < S::KNB; ++b) t.k_scale[n][b] = load_scale_word(ks + b * lp.block_step);
+        const uint8_t* v_at = vs + (lp.v_sel == SCALE_BF16_HIGH ? 2 : 0);
+        const uint32_t vf = __float_as_uint(scale_value(load_scale_word(scale_word(v_at)), scale_selector(v_at, bf16)));
+        t.v_scale[n][0] = lp.v_sel == SCALE_BF16_LOW ? vf >> 16 : vf;
+        continue;
+      }
       const int odd = lp.sel[0] == SCALE_BF16_HIGH ? 2 : 0;  // the lane's words are 2 bytes below its scales when odd
 #pragma unroll
       for (int b = 0; b < S::NB; ++b) {  // the scales' own addresses
@@ -635,10 +768,9 @@ __device__ __forceinline__ void load_scales(const LanePointers& lp, const int (&
       }
     } else {
 #pragma unroll
-      for (int b = 0; b < S::NB; ++b) {
-        t.k_scale[n][b] = load_scale_word(ks + b * lp.block_step);
-        t.v_scale[n][b] = load_scale_word(vs + b * lp.block_step);
-      }
+      for (int b = 0; b < S::KNB; ++b) t.k_scale[n][b] = load_scale_word(ks + b * lp.block_step);
+#pragma unroll
+      for (int b = 0; b < S::NB; ++b) t.v_scale[n][b] = load_scale_word(vs + b * lp.block_step);
     }
   }
 }
@@ -649,7 +781,10 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
   const uint8_t* k = lp.k + (size_t)tile * KR;
   const uint8_t* v = lp.v + (size_t)tile * VR;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
+  for (int n = 0; n < 2; ++n) {
+    if constexpr (S::GROUPED) S::K::load(k + 8 * n * KR, threadIdx.x & 3, t.kw[n]);
+    else load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
+  }
   load_scales<S, false>(lp, {tile, tile + 8}, t);
 #pragma unroll
   for (int j = 0; j < 4; ++j) load_slice<typename S::V>(v + ((j & 1) + 8 * (j >> 1)) * VR, lp.v_high, t.vw[j]);
@@ -663,7 +798,8 @@ __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int ti
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     slots[n] = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
-    load_slice<typename S::K>(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
+    if constexpr (S::GROUPED) S::K::load(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, c, t.kw[n]);
+    else load_slice<typename S::K>(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
   }
   load_scales<S, true>(lp, slots, t);
 #pragma unroll
@@ -1021,12 +1157,12 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 // CTAs per SM that the kernel's registers and shared memory allow (the launch bound; ops/cached/config.py plans
 // splits with the same numbers, and a GPU test compares them).  Measured: 4 at D <= 128 and 2 at D = 256 for
 // 4-bit codes (BENCHMARKS.md); wider codes need more prefetch registers, two tables more shared memory.
-template <int D, int KB, int VB, bool EXACT>
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
 constexpr int ctas_per_sm() {
   // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, the merge's small weights,
   // statistics; an upper bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
   // Sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
-  using S = Shape<D, KB, VB>;
+  using S = Shape<D, KB, VB, GA, KB2>;
   constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
                                (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
@@ -1043,9 +1179,10 @@ constexpr int ctas_per_sm() {
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
-// Dynamic shared memory of decode<D, KB, VB>: the code tables (later reused to combine the warps and merge).
-template <int D, int KB, int VB>
-constexpr int dynamic_bytes() { return Shape<D, KB, VB>::DYNAMIC_WORDS * 4; }
+// Dynamic shared memory of decode<D, KB, VB, EXACT, GA, KB2>: the code tables (later reused to combine the warps and
+// merge).
+template <int D, int KB, int VB, int GA = 0, int KB2 = 0>
+constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2>::DYNAMIC_WORDS * 4; }
 
 // The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
 // address is still a constant, so table addresses stay immediates.
@@ -1383,13 +1520,14 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
 
 // EXACT: built for caches with exact rows (more CTAs attend them); a separate build keeps that code out of the
 // other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
-template <int D, int KB, int VB, bool EXACT>
-__global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>())) decode(const DecodeParams p) {
-  using S = Shape<D, KB, VB>;
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
+__global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA, KB2>()))
+    decode(const DecodeParams p) {
+  using S = Shape<D, KB, VB, GA, KB2>;
   // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
   // warps' row statistics.
   uint32_t* const k_table = code_tables;
-  uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : S::KTable::WORDS);
+  uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : S::K_TABLE_WORDS);
   __shared__ __align__(16) float merge_small[SMALL_WORDS];  // the merge's weights, when they fit
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
@@ -1454,22 +1592,30 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
   const int kc = slice * 4 + c, vg = slice * 8 + g;
   // The norm block of the slice's 8-bit rows (a warp's slice lies in one block).
   const int warp_block = slice * S::NB / S::SLICES;
-  const int k_first = kc * S::K::LANE_BYTES, v_first = vg * S::V::LANE_BYTES;
-  const int k_shift = S::K::High::shift(k_first), v_shift = S::V::High::shift(v_first);
+  // Key groups: a lane's slices are strided from the key's first byte (GroupCodes), and the fragments take c.
+  int k_first = 0, k_shift = c, k_high = 0;
+  if constexpr (!S::GROUPED) {
+    k_first = kc * S::K::LANE_BYTES;
+    k_shift = S::K::High::shift(k_first);
+    k_high = S::K::High::offset(k_first) - k_first;
+  }
+  const int v_first = vg * S::V::LANE_BYTES, v_shift = S::V::High::shift(v_first);
   const bool bf16 = p.scale_bf16 != 0;
-  const uint8_t* const ks0 = static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * S::NB * scale_bytes;
+  const uint8_t* const ks0 = static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * S::KNB * scale_bytes;
   const uint8_t* const vs0 = static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * S::NB * scale_bytes;
   const LanePointers lp{p.k_codes + (row0 + g) * S::K::ROW_BYTES + k_first,
                         p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + v_first,
                         scale_word(ks0), scale_word(vs0),
-                        S::K::High::offset(k_first) - k_first, S::V::High::offset(v_first) - v_first,
+                        k_high, S::V::High::offset(v_first) - v_first,
                         S::NB * scale_bytes,
                         static_cast<int>(scale_word(ks0 + scale_bytes) - scale_word(ks0)),
-                        {scale_selector(ks0, bf16), scale_selector(ks0 + scale_bytes, bf16)}};
+                        {scale_selector(ks0, bf16), scale_selector(ks0 + scale_bytes, bf16)},
+                        S::KNB * scale_bytes, scale_selector(vs0, bf16)};
   auto load = [&](int tile, TileData<S>& t) {
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
     else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
   };
+  // (Key groups' tables, 4 to 8 bits, all have KTable's one column per lane.)
   const uint32_t k_lane = S::KTable::lane_offset(lane), v_lane = S::VTable::lane_offset(lane);
   // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
   // the split's end, left padding and the window); a ring's tiles always take the masked path.
@@ -1495,7 +1641,9 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
     const int r = warp + k * WARPS, t = r / p.group, h = kvh * p.group + r % p.group;
-    if (r < rows) {
+    if (r < rows && S::GROUPED) {   // q in the groups' domain already (float32 [B, Hq, Tq, D], the host's)
+      load_row<N>(p.q_keys, 2, (((long long)b * p.num_kv_heads * p.group + h) * p.tq + t) * D + lane * N, qx[k]);
+    } else if (r < rows) {
       load_row<N>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N, qx[k]);
     } else {
 #pragma unroll
@@ -1509,7 +1657,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
   TURBOATTN_STAMP(2);
   // The tables come from the codebooks' constants, so they are built while the loads are in flight (ptxas
   // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
-  S::KTable::build(k_table);
+  if constexpr (S::GROUPED) S::K::build(k_table);
+  else S::KTable::build(k_table);
   if constexpr (!S::SHARED_TABLE) S::VTable::build(v_table);
   TURBOATTN_STAMP(9);
   if constexpr (FOLD) {
@@ -1518,17 +1667,20 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
 #pragma unroll
     for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
-  // q / gain, signs, then H.
+  // q / gain, signs, then H (key groups: the host did the groups' own transform).
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
+    if constexpr (!S::GROUPED) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) qx[k][i] *= FOLD ? sign[i] : gain[FOLD ? 0 : i] * sign[i];
-    hadamard_warp<D>(qx[k], lane);
+      for (int i = 0; i < N; ++i) qx[k][i] *= FOLD ? sign[i] : gain[FOLD ? 0 : i] * sign[i];
+      hadamard_warp<D>(qx[k], lane);
+    }
 #pragma unroll
     for (int i = 0; i < N; ++i) q_rot[(warp + k * WARPS) * D + lane * N + i] = qx[k][i];
   }
   __syncthreads();  // publishes the tables and the rotated queries
-  const float q_norm = p.q_scale * rsqrtf((float)D);
+  // The in-kernel H is unnormalized; the host's group rotations (key groups) are orthonormal.
+  const float q_norm = p.q_scale * (S::GROUPED ? 1.f : rsqrtf((float)D));
   // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims that the K fragments hold at k-indices
   // 2c, 2c+1 (register 0) and 2c+8, 2c+9 (register 1).
   auto q_fragment = [&](int kk) {
@@ -1555,37 +1707,41 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT>()))
   auto process = [&](const TileData<S>& cur, const int tile) {
     // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
     // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
-    float k_scale[2][S::NB], v_scale[2][S::NB];
+    float k_scale[2][S::KNB], v_scale[2][S::NB];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       bool bad = false;
 #pragma unroll
+      for (int b = 0; b < S::KNB; ++b) k_scale[n][b] = scale_value(cur.k_scale[n][b], lp.sel[b]);
+#pragma unroll
       for (int b = 0; b < S::NB; ++b) {
-        k_scale[n][b] = scale_value(cur.k_scale[n][b], lp.sel[b]);
-        v_scale[n][b] = scale_value(cur.v_scale[n][b], lp.sel[b]);
+        v_scale[n][b] = scale_value(cur.v_scale[n][b], S::GROUPED ? lp.v_sel : lp.sel[b]);
         bad = bad || isnan(v_scale[n][b]);
       }
 #pragma unroll
-      for (int b = 0; b < S::NB; ++b) {
+      for (int b = 0; b < S::KNB; ++b)
         if (bad) k_scale[n][b] = NAN;
+#pragma unroll
+      for (int b = 0; b < S::NB; ++b)
         if (bad) v_scale[n][b] = 0.f;
-      }
     }
     // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains (with two norm blocks
-    // and K::BLOCKED, the chains are the blocks: k-step kk holds block kk % 2).
+    // and K::BLOCKED, the chains are the blocks: k-step kk holds block kk % 2; with key groups, the groups).
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) {
       const uint2 a0 = S::K::fragment(k_table, k_lane, cur.kw[0], kk, k_shift);  // key g
       const uint2 a1 = S::K::fragment(k_table, k_lane, cur.kw[1], kk, k_shift);  // key g + 8
       const uint2 qf = S::Q_IN_SMEM ? q_frag[kk * 32 + lane] : qb[S::Q_IN_SMEM ? 0 : kk];
-      mma_16816(kk % 2 ? s_odd : s, a0.x, a1.x, a0.y, a1.y, qf.x, qf.y);
+      float(&chain)[4] = (S::GROUPED ? kk >= key_group_steps<S>() : kk % 2) ? s_odd : s;
+      mma_16816(chain, a0.x, a1.x, a0.y, a1.y, qf.x, qf.y);
     }
     // s[2n + e]: key g + 8n, row 2c + e.  Scale (each block's part by its scale), then sum the warps' parts.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int n = i / 2;
-      if constexpr (S::NB == 1) s[i] = (s[i] + s_odd[i]) * k_scale[n][0];
+      if constexpr (S::GROUPED) s[i] = s[i] * k_scale[n][0] + s_odd[i] * k_scale[n][1];
+      else if constexpr (S::NB == 1) s[i] = (s[i] + s_odd[i]) * k_scale[n][0];
       else if constexpr (S::K::BLOCKED) s[i] = s[i] * k_scale[n][0] + s_odd[i] * k_scale[n][S::NB - 1];
       else s[i] = (s[i] + s_odd[i]) * (warp_block ? k_scale[n][S::NB - 1] : k_scale[n][0]);
     }
@@ -1914,20 +2070,21 @@ int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t st
 // Launches decode<D, KB, VB, EXACT>.  Past 48 KB of shared memory, static and dynamic together, a kernel needs an
 // allowance for its dynamic part; every kernel gets it, once per device (function attributes belong to a device's
 // context; the binding made q's device current).
-template <int D, int KB, int VB, bool EXACT>
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
 int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  constexpr int smem = dynamic_bytes<D, KB, VB>();
+  constexpr int smem = dynamic_bytes<D, KB, VB, GA, KB2>();
   static bool allowed[64] = {};
   int device = 0;
   cudaGetDevice(&device);
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (!allowed[device]) {
-    const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT, GA, KB2>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
     allowed[device] = true;
   }
   // One CTA per split, plus the exact parts' (params.num_parts counts both), in one dimension (cta_index).
-  decode<D, KB, VB, EXACT><<<params.num_parts * batch_kv_heads, WARPS * 32, smem, stream>>>(params);
+  decode<D, KB, VB, EXACT, GA, KB2><<<params.num_parts * batch_kv_heads, WARPS * 32, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -21,6 +21,11 @@ struct DecodeParams {
   const int* seen;
   const int* starts;
   const float* gain_inv;  // [B, Hkv, D] or nullptr
+  // Keys in channel groups (launch_decode_groups): the queries in the groups' domain, float32 [B, Hq, Tq, D]
+  // contiguous (the key transform, the channel order and each group's rotation applied by the host); the kernel
+  // reads them instead of rotating q itself (gain_inv is then nullptr).  q is still read for the exact rows and
+  // the fresh tokens, which are scored in the model's domain.
+  const float* q_keys;
   const float* signs;     // [D]
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
@@ -80,6 +85,13 @@ int launch_decode_d256_exact(const turboattn::DecodeParams& params, int k_bits, 
                              void* stream);
 int launch_decode_d512_exact(const turboattn::DecodeParams& params, int k_bits, int v_bits, int batch_kv_heads,
                              void* stream);
+// Keys in two channel groups (format/codec.py key_groups: group a's `group_a` channels at k_bits, the rest at
+// k_bits_b; TURBOATTN_KEY_GROUPS lists the builds, as ops/cached/config.py's CUDA_KEY_GROUPS does): launch
+// decode<head_dim, k_bits, v_bits, exact, group_a, k_bits_b>, or -1 where it is not built.
+#define TURBOATTN_KEY_GROUPS(X) X(256, 112, 6, 4, 3) X(256, 96, 6, 4, 3)
+int launch_decode_groups(const turboattn::DecodeParams& params, int head_dim, int group_a, int k_bits, int k_bits_b,
+                         int v_bits, bool exact, int batch_kv_heads, void* stream);
+int ctas_per_sm_groups(int head_dim, int group_a, int k_bits, int k_bits_b, int v_bits, bool exact);
 // The merge in a launch of its own (decode.cuh: merge_rows), after a decode launch without counters: one CTA per
 // output row.  The CUDA error code (0: none).
 int launch_merge_d64(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
