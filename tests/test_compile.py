@@ -78,6 +78,31 @@ def test_decode_step_compiles_once(factory):
 
 
 @torch.no_grad()
+def test_decode_step_with_key_groups_compiles_once():
+    """Keys in channel groups trace as the plain codes do: one graph over 20 steps, the eager logits."""
+    model = tiny_gemma3()
+    ids = random_ids(PROMPT + STEPS, batch=2)
+    groups = ((32, 6), (32, 3))
+    cache = TurboQuantCache(model.config, v_bits=4, key_groups=groups, max_cache_len=64)
+    model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+
+    def step(token):
+        return model(input_ids=token, past_key_values=cache).logits
+
+    backend, graphs = counting_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    got = [compiled(ids[:, s:s + 1]) for s in range(PROMPT, PROMPT + STEPS)]
+    assert len(graphs) == 1, f"{len(graphs)} graphs"
+    eager_model = tiny_gemma3()
+    eager_cache = TurboQuantCache(eager_model.config, v_bits=4, key_groups=groups)
+    eager_model(input_ids=ids[:, :PROMPT], past_key_values=eager_cache)
+    for s, g in zip(range(PROMPT, PROMPT + STEPS), got, strict=True):
+        torch.testing.assert_close(g, eager_model(input_ids=ids[:, s:s + 1], past_key_values=eager_cache).logits,
+                                   atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
 def test_compiled_step_in_another_thread():
     """The update -> attention handoff is per thread and traced: a step compiled in one thread runs in another
     (compiling once more there: the thread's slot does not exist yet) with the eager logits."""

@@ -273,13 +273,6 @@ def test_a_forced_backend_that_does_not_read_groups_is_refused(gen, monkeypatch)
         backend._auto.cache_clear()
 
 
-def test_traced_ops_refuse_grouped_keys():
-    from turboattn.ops.library import _check_traceable
-    with pytest.raises(NotImplementedError, match="torch.compile"):
-        _check_traceable(KVCodec(128, None, 4, key_groups=GROUPS))
-    _check_traceable(KVCodec(128, 4, 4))
-
-
 def test_bad_orders_are_refused(gen):
     codec = KVCodec(128, None, 4, key_groups=GROUPS)
     cache = ta.QuantizedKVCache(codec, 1, 1, capacity=8)

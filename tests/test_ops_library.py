@@ -34,7 +34,7 @@ def _cached_args(cache, q, k, v, impl):
     return (q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
             None, None, None, False, None, layout.sliding_window, 4, 3, None, None, plan.to_list(),
             layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k,
-            layout.first_v, layout.exact_first, impl)
+            layout.first_v, layout.exact_first, [], None, impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -67,7 +67,41 @@ def test_opcheck_quantize_append(impl, exact_recent, exact_first, gen):
                               (k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
                                layout.starts, new_lengths, None, None, None, 4, 3, "corrected", cache.nonfinite,
                                layout.merge_counters, layout.recent_k, layout.recent_v, layout.exact_recent,
-                               layout.first_k, layout.first_v, layout.exact_first, impl))
+                               layout.first_k, layout.first_v, layout.exact_first, [], None, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_with_key_groups(impl, gen):
+    """Keys in channel groups pass through the ops as k_bits 0, the flat groups and the channel order
+    (library.op_key_groups): both ops check against their fakes, and they code and read the cache as the eager
+    path does."""
+    from turboattn.format.key_transform import fit_key_order
+    from turboattn.ops.library import op_key_groups
+
+    codec = ta.KVCodec(64, None, 3, key_groups=((32, 6), (32, 3)))
+    cache = ta.QuantizedKVCache(codec, 2, 2, capacity=40, exact_recent=5, exact_first=4)
+    k, v = (torch.randn(2, 2, 21, 64, generator=gen) for _ in range(2))
+    cache.set_key_transform(k.mean(2), torch.ones(2, 2, 64), fit_key_order(k))
+    cache.append(k, v, backend="torch")
+    layout = cache.layout
+    k_bits, groups = op_key_groups(codec)
+    assert (k_bits, groups) == (0, [32, 6, 32, 3])
+    k3, v3 = (torch.randn(2, 2, 3, 64, generator=gen) for _ in range(2))
+    torch.library.opcheck(torch.ops.turboattn.quantize_append.default,
+                          (k3, v3, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen,
+                           layout.starts, None, layout.key_shift, layout.key_gain, None, k_bits, 3, "corrected",
+                           cache.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v,
+                           layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, groups,
+                           layout.key_order, impl))
+    q = torch.randn(2, 4, 1, 64, generator=gen)
+    plan = plan_decode(q.device, 64, codec.key_code, 3, 4, 2, 21, num_splits=2)
+    args = (q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, None,
+            None, layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, None, None, k_bits, 3,
+            None, None, plan.to_list(), layout.merge_counters, layout.recent_k, layout.recent_v,
+            layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, groups, layout.key_order, impl)
+    torch.library.opcheck(torch.ops.turboattn.cached_attention.default, args)
+    want = ta.cached_attention(q, cache, backend=impl, num_splits=2)
+    torch.testing.assert_close(torch.ops.turboattn.cached_attention(*args), want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -83,7 +117,8 @@ def test_quantize_append_op_leaves_seen_to_its_caller(impl, gen):
     torch.ops.turboattn.quantize_append(k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
                                         layout.seen, layout.starts, None, None, None, None, 4, 3, "corrected",
                                         via_op.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v,
-                                        layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, impl)
+                                        layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, [],
+                                        None, impl)
     assert via_op.seen.tolist() == [21, 21]
     via_op.seen += 3
     run_quantize_append(k, v, eager.layout, None, eager.codec, impl)

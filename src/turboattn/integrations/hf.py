@@ -377,8 +377,9 @@ class TurboQuantCache(Cache):
     `key_groups=((112, 6), (144, 4))` codes the keys in channel groups instead of at k_bits (KVCodec; leave
     k_bits None): each layer orders its channels by the prompt keys' variance (key_transform.fit_key_order),
     and the first group, with the most bits, takes the largest.  Without v_bits it keeps the default preset's
-    other options.  The PyTorch path and the Triton kernels read such caches, the CUDA kernels not yet (on a GPU
-    they decode many times slower than plain keys: BENCHMARKS.md), and torch.compile does not trace them.
+    other options.  The PyTorch path, the Triton kernels and (for the groupings of
+    ops/cached/config.CUDA_KEY_GROUPS) the CUDA decode kernel read such caches; their appends run on Triton on a
+    GPU (BENCHMARKS.md).
 
     Without `k_bits` and `v_bits` the cache takes the default preset for the model's head_dim
     (`default_preset`, DEFAULT_PRESETS: k4v3 with the first 4 and 64 newest tokens exact up to head_dim 128,

@@ -21,6 +21,9 @@ def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
     if codec.grouped_keys:   # each key group's tables as a key of its width, and the values'
         for part in (*codec.key_group_codecs, KVCodec(codec.head_dim, codec.v_bits, codec.v_bits)):
             allocate_device_tables(part, device)
+        if importable("triton"):   # and the groups' block-diagonal rotation, which the kernels' hosts apply
+            from .cached.triton import group_rotation
+            group_rotation(codec.key_groups, device)
         return
     d = codec.head_dim
     device_signs(d, device)

@@ -32,9 +32,19 @@ from .quantize.naive import advance_lengths
 
 @lru_cache(maxsize=None)
 def _codec(head_dim: int, k_bits: int, v_bits: int, scale_rule: str = "corrected",
-           scale_dtype: torch.dtype = torch.float32) -> KVCodec:
-    # The scale dtype is the scale tensors' own: the ops take no separate argument for it.
-    return KVCodec(head_dim, k_bits, v_bits, scale_rule, scale_dtype)
+           scale_dtype: torch.dtype = torch.float32, key_groups: tuple = ()) -> KVCodec:
+    # The scale dtype is the scale tensors' own: the ops take no separate argument for it.  The ops spell key groups
+    # as a flat list (op_key_groups) and their k_bits as 0.
+    groups = tuple(zip(key_groups[::2], key_groups[1::2]))
+    return KVCodec(head_dim, None if groups else k_bits, v_bits, scale_rule, scale_dtype, key_groups=groups)
+
+
+def op_key_groups(codec: KVCodec) -> tuple[int, list[int]]:
+    """(k_bits, key_groups) as the ops take them: the codec's bits and [], or with keys in channel groups 0 and the
+    groups' (channels, bits) flattened, e.g. [112, 6, 144, 4]."""
+    if not codec.key_groups:
+        return codec.k_bits, []
+    return 0, [x for group in codec.key_groups for x in group]
 
 
 _on = device_guard
@@ -45,10 +55,10 @@ SELF_GUARDED = "cuda"
 
 def _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift=None, key_gain=None,
             key_gain_inv=None, key_shifted=False, nonfinite=None, merge_counters=None, recent_k=None,
-            recent_v=None, exact_recent=0, first_k=None, first_v=None, exact_first=0) -> CacheLayout:
+            recent_v=None, exact_recent=0, first_k=None, first_v=None, exact_first=0, key_order=None) -> CacheLayout:
     return CacheLayout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                        key_gain_inv, key_shifted, nonfinite, merge_counters, recent_k, recent_v, exact_recent,
-                       first_k, first_v, exact_first)
+                       first_k, first_v, exact_first, key_order)
 
 
 def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Tensor, v_scales: Tensor,
@@ -56,18 +66,20 @@ def _quantize_append(k: Tensor, v: Tensor, k_codes: Tensor, k_scales: Tensor, v_
                     key_gain: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
                     scale_rule: str, nonfinite: Tensor, merge_counters: Tensor | None, recent_k: Tensor | None,
                     recent_v: Tensor | None, exact_recent: int, first_k: Tensor | None, first_v: Tensor | None,
-                    exact_first: int, impl: str) -> None:
+                    exact_first: int, key_groups: list[int], key_order: Tensor | None, impl: str) -> None:
     """Store k, v [B, Hkv, T, D] (new_lengths[b] of them real, default all T) in a cache: code them into the slots
     after seen[b] (a contiguous cache stores the tokens that fit in its capacity, a ring the last ones) and copy the
     ones the exact rows keep into recent_k / recent_v and first_k / first_v (format/layout.py; None, None, 0
     without them).  seen is read, not advanced: run_quantize_append advances it after the op.  nonfinite [B]
     int32 counts the vectors stored with a NaN or infinity; merge_counters: written during the call (zero before
-    and after)."""
+    and after).  key_groups (flat, op_key_groups) and key_order [B, Hkv, D] int16: keys in channel groups, with
+    k_bits 0; [] and None without."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      nonfinite=nonfinite, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
-                     exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first)
-    _append_to(k, v, layout, new_lengths, _codec(k.shape[-1], k_bits, v_bits, scale_rule, k_scales.dtype), impl,
-               advance=False)
+                     exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first,
+                     key_order=key_order)
+    codec = _codec(k.shape[-1], k_bits, v_bits, scale_rule, k_scales.dtype, tuple(key_groups))
+    _append_to(k, v, layout, new_lengths, codec, impl, advance=False)
 
 
 def _append_to(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, codec: KVCodec, impl: str,
@@ -118,13 +130,6 @@ def append_launcher(layout: CacheLayout, codec: KVCodec, impl: str):
     return lambda k, v: body(k, v, layout, codec, None, True)
 
 
-def _check_traceable(codec: KVCodec) -> None:
-    """The torch ops spell a codec as its two bit widths: keys in channel groups are not traced yet."""
-    if codec.grouped_keys:
-        raise NotImplementedError("torch.compile does not trace a cache with keys in channel groups "
-                                  "(codec.key_groups) yet: run it eagerly")
-
-
 def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: Tensor | None, codec: KVCodec,
                         impl: str) -> None:
     """Append k, v to a cache's layout, coded with the cache's codec: codes, exact rows, and seen advanced by the
@@ -133,12 +138,13 @@ def run_quantize_append(k: Tensor, v: Tensor, layout: CacheLayout, new_lengths: 
     which recomputed a value read from seen before the op (transformers' past_seen_tokens, inside a later layer's
     fused RoPE) from the advanced tensor; an aten add is a mutation inductor orders correctly."""
     if torch.compiler.is_compiling():
-        _check_traceable(codec)
+        k_bits, key_groups = op_key_groups(codec)
         torch.ops.turboattn.quantize_append(
             k, v, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-            new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, codec.k_bits, codec.v_bits,
+            new_lengths, layout.key_shift, layout.key_gain, layout.sliding_window, k_bits, codec.v_bits,
             codec.scale_rule, layout.nonfinite, layout.merge_counters, layout.recent_k, layout.recent_v,
-            layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, impl)
+            layout.exact_recent, layout.first_k, layout.first_v, layout.exact_first, key_groups, layout.key_order,
+            impl)
         advance_lengths(layout, new_lengths, k.shape[2])
     else:
         _append_to(k, v, layout, new_lengths, codec, impl, advance=True)
@@ -153,7 +159,7 @@ quantize_append = torch.library.custom_op(
 @quantize_append.register_fake
 def _(k, v, k_codes, k_scales, v_codes, v_scales, seen, starts, new_lengths, key_shift, key_gain, sliding_window,
       k_bits, v_bits, scale_rule, nonfinite, merge_counters, recent_k, recent_v, exact_recent, first_k, first_v,
-      exact_first, impl) -> None:
+      exact_first, key_groups, key_order, impl) -> None:
     return None
 
 
@@ -163,23 +169,26 @@ def _cached_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Ten
                      sinks: Tensor | None, sliding_window: int | None, k_bits: int, v_bits: int,
                      scale: float | None, softcap: float | None, plan: list[int], merge_counters: Tensor | None,
                      recent_k: Tensor | None, recent_v: Tensor | None, exact_recent: int,
-                     first_k: Tensor | None, first_v: Tensor | None, exact_first: int, impl: str) -> Tensor:
+                     first_k: Tensor | None, first_v: Tensor | None, exact_first: int, key_groups: list[int],
+                     key_order: Tensor | None, impl: str) -> Tensor:
     """Attention of q [B, Hq, Tq, D] over the cache (plus fresh k, v).  plan is a DecodePlan.to_list(), or [] /
     [num_splits]: planned here for the cache's capacity (a static cache's plan; planned in the op because under
     torch.compile with dynamic shapes q's sizes are symbols, from which no constant plan can be made).
     merge_counters (the CUDA kernel's, zero before and after) is written during the call: a mutated argument.
     recent_k, recent_v [B, Hkv, R + 1, D] and exact_recent = R: the exact recent window (format/layout.py), read
     only; None, None, 0 without one.  first_k, first_v [B, Hkv, S, D] and exact_first = S: the exact first tokens
-    (format/layout.py), read only; None, None, 0 without them."""
+    (format/layout.py), read only; None, None, 0 without them.  key_groups, key_order: keys in channel groups, as
+    quantize_append takes them."""
     layout = _layout(k_codes, k_scales, v_codes, v_scales, seen, starts, sliding_window, key_shift, key_gain,
                      key_gain_inv, key_shifted, merge_counters=merge_counters, recent_k=recent_k, recent_v=recent_v,
-                     exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first)
+                     exact_recent=exact_recent, first_k=first_k, first_v=first_v, exact_first=exact_first,
+                     key_order=key_order)
+    # The scale rule does not matter to decoding: any codec of these bits and scale dtype reads the cache.
+    codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", k_scales.dtype, tuple(key_groups))
     if len(plan) > 1:
         decode_plan = DecodePlan.from_list(plan)
     else:
-        decode_plan = capacity_plan(q, layout, k_bits, v_bits, plan[0] if plan else None, impl)
-    # The scale rule does not matter to decoding: any codec of these bits and scale dtype reads the cache.
-    codec = _codec(q.shape[-1], k_bits, v_bits, "corrected", k_scales.dtype)
+        decode_plan = capacity_plan(q, layout, codec.key_code, v_bits, plan[0] if plan else None, impl)
     return _attend(q, layout, codec, k, v, sinks, scale, softcap, decode_plan, impl)
 
 
@@ -205,16 +214,16 @@ def run_cached_attention(q: Tensor, layout: CacheLayout, codec: KVCodec, k: Tens
     """The cached_attention op on a cache's layout and codec (the fields spelled out under torch.compile).  plan
     None: the op plans for the capacity with num_splits (None: chosen), as a static cache wants; otherwise plan is
     used."""
-    k_bits, v_bits = codec.k_bits, codec.v_bits
+    v_bits = codec.v_bits
     if torch.compiler.is_compiling():
-        _check_traceable(codec)
+        k_bits, key_groups = op_key_groups(codec)
         plan_list = plan.to_list() if plan is not None else [] if num_splits is None else [num_splits]
         return torch.ops.turboattn.cached_attention(
             q, layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts, k, v,
             layout.key_shift, layout.key_gain, layout.key_gain_inv, layout.key_shifted, sinks,
             layout.sliding_window, k_bits, v_bits, scale, softcap, plan_list, layout.merge_counters,
             layout.recent_k, layout.recent_v, layout.exact_recent, layout.first_k, layout.first_v,
-            layout.exact_first, impl)
+            layout.exact_first, key_groups, layout.key_order, impl)
     if plan is None:
         plan = capacity_plan(q, layout, codec.key_code, v_bits, num_splits, impl)
     return _attend(q, layout, codec, k, v, sinks, scale, softcap, plan, impl)
@@ -227,7 +236,7 @@ cached_attention = torch.library.custom_op("turboattn::cached_attention", _cache
 @cached_attention.register_fake
 def _(q, k_codes, k_scales, v_codes, v_scales, seen, starts, k, v, key_shift, key_gain, key_gain_inv, key_shifted,
       sinks, sliding_window, k_bits, v_bits, scale, softcap, plan, merge_counters, recent_k, recent_v, exact_recent,
-      first_k, first_v, exact_first, impl):
+      first_k, first_v, exact_first, key_groups, key_order, impl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
