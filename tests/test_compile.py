@@ -44,11 +44,24 @@ def counting_backend():
     return backend, graphs
 
 
-def eager_logits(model, ids, prompt):
+def eager_logits(model, ids, prompt, **cache_options):
     """Teacher-forced logits of each decode step with the growing cache, eagerly."""
-    cache = TurboQuantCache(model.config, 4, 4)
+    cache = TurboQuantCache(model.config, **(cache_options or {"k_bits": 4, "v_bits": 4}))
     model(input_ids=ids[:, :prompt], past_key_values=cache)
     return [model(input_ids=ids[:, s:s + 1], past_key_values=cache).logits for s in range(prompt, ids.shape[1])]
+
+
+def compiled_decode(model, ids, cache):
+    """Prefill eagerly, then the decode steps compiled with fullgraph=True: (their logits, the graphs compiled)."""
+    model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+
+    def step(token):
+        return model(input_ids=token, past_key_values=cache).logits
+
+    backend, graphs = counting_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    return [compiled(ids[:, s:s + 1]) for s in range(PROMPT, ids.shape[1])], graphs
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
@@ -59,15 +72,7 @@ def test_decode_step_compiles_once(factory):
     ids = random_ids(PROMPT + STEPS, batch=2)
     cache = TurboQuantCache(model.config, 4, 4, max_cache_len=64)
     assert cache.is_compileable
-    model(input_ids=ids[:, :PROMPT], past_key_values=cache)
-
-    def step(token):
-        return model(input_ids=token, past_key_values=cache).logits
-
-    backend, graphs = counting_backend()
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend=backend, fullgraph=True)
-    got = [compiled(ids[:, s:s + 1]) for s in range(PROMPT, PROMPT + STEPS)]
+    got, graphs = compiled_decode(model, ids, cache)
     assert len(graphs) == 1, f"{len(graphs)} graphs"
     called = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert {"turboattn.cached_attention", "turboattn.quantize_append"} <= called
@@ -80,26 +85,13 @@ def test_decode_step_compiles_once(factory):
 @torch.no_grad()
 def test_decode_step_with_key_groups_compiles_once():
     """Keys in channel groups trace as the plain codes do: one graph over 20 steps, the eager logits."""
-    model = tiny_gemma3()
     ids = random_ids(PROMPT + STEPS, batch=2)
-    groups = ((32, 6), (32, 3))
-    cache = TurboQuantCache(model.config, v_bits=4, key_groups=groups, max_cache_len=64)
-    model(input_ids=ids[:, :PROMPT], past_key_values=cache)
-
-    def step(token):
-        return model(input_ids=token, past_key_values=cache).logits
-
-    backend, graphs = counting_backend()
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend=backend, fullgraph=True)
-    got = [compiled(ids[:, s:s + 1]) for s in range(PROMPT, PROMPT + STEPS)]
+    options = {"v_bits": 4, "key_groups": ((32, 6), (32, 3))}
+    model = tiny_gemma3()
+    got, graphs = compiled_decode(model, ids, TurboQuantCache(model.config, max_cache_len=64, **options))
     assert len(graphs) == 1, f"{len(graphs)} graphs"
-    eager_model = tiny_gemma3()
-    eager_cache = TurboQuantCache(eager_model.config, v_bits=4, key_groups=groups)
-    eager_model(input_ids=ids[:, :PROMPT], past_key_values=eager_cache)
-    for s, g in zip(range(PROMPT, PROMPT + STEPS), got, strict=True):
-        torch.testing.assert_close(g, eager_model(input_ids=ids[:, s:s + 1], past_key_values=eager_cache).logits,
-                                   atol=ATOL, rtol=0)
+    for g, w in zip(got, eager_logits(tiny_gemma3(), ids, PROMPT, **options), strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
