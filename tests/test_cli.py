@@ -153,9 +153,12 @@ def test_bench_host_runs_anywhere(tmp_path, capsys, wide):
     import torch
 
     from turboattn.cli.bench.host import PIECES
+    from turboattn.ops import backend
     from turboattn.ops.backend import choose, load
+    before = {op: dict(impls) for op, impls in backend._REGISTRY.items()}
     assert cli.main(["bench", "host", "--layers", "1", "--steps", "2", "--head-dim", "64", "--out",
                      str(tmp_path)]) == 0
+    assert backend._REGISTRY == before   # every field of every implementation restored (key groups included)
     us = json.loads((tmp_path / "host.json").read_text())["us"]
     assert set(us) == set(PIECES) and all(us[name] > 0 for name in PIECES if name != "glue")
     assert "cuda wrapper" in capsys.readouterr().out

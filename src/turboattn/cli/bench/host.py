@@ -115,7 +115,7 @@ def stubbed_gpu_path(wrap=lambda name, fn: fn):
 def _register(impl) -> None:
     from ...ops import backend
     backend.register(impl.op, impl.name, impl.target, priority=impl.priority, devices=impl.devices,
-                     requires=impl.requires, head_dims=impl.head_dims)
+                     requires=impl.requires, head_dims=impl.head_dims, grouped_keys=impl.grouped_keys)
 
 
 def _model(layers: int, head_dim: int):
