@@ -246,8 +246,8 @@ def test_cuda_key_group_builds_match_the_kernels_list():
     from turboattn.ops.cached import config
     header = (Path(config.__file__).parent / "csrc" / "decode.h").read_text()
     macro = re.search(r"#define TURBOATTN_KEY_GROUPS\(X\)(.*)", header).group(1)
-    built = {(d, ((ga, kb), (d - ga, kb2)), vb)
-             for d, ga, kb, kb2, vb in (map(int, m) for m in re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+)\)", macro))}
+    entries = re.findall(r"X\((\d+), (\d+), (\d+), (\d+), (\d+)\)", macro)
+    built = {(d, ((ga, kb), (d - ga, kb2)), vb) for d, ga, kb, kb2, vb in (map(int, e) for e in entries)}
     assert built == set(config.CUDA_KEY_GROUPS) and len(built) >= 2
     for d, groups, vb in built:
         assert config.cuda_kernel_serves(d, groups, vb, 8) and not config.cuda_kernel_serves(d, groups, vb, 9)

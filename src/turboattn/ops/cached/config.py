@@ -179,8 +179,8 @@ def cuda_kernel_serves(head_dim: int, k_bits: int | tuple, v_bits: int, query_ro
 @lru_cache(maxsize=None)
 def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: bool = False) -> int:
     """CTAs per SM the CUDA kernel of this shape (k_bits: bits or key groups, as cuda_kernel_serves) is built for
-    (exact: the build for caches with exact rows): ctas_per_sm
-    in csrc/decode.cuh, which is the truth (its launch bound); a GPU test checks that the two agree.  Shared memory,
+    (exact: the build for caches with exact rows): ctas_per_sm in csrc/decode.cuh, which is the truth (its launch
+    bound); a GPU test checks that the two agree.  Shared memory,
     out of 228 KB: the byte -> fp16 tables (one per distinct bit width; 32 columns of 4-byte entries, of 8-byte
     entries for 2 bits, 16 of them where the 2-bit table is one of two or at head_dim 64; 256 rows, 96 for 3 bits,
     2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static arrays and 1 KB

@@ -8,8 +8,9 @@ window, exact first tokens), the plan's exact_parts more CTAs per (sequence, KV 
 tokens (when given) in full precision, merges them with the parts, adds the sinks, rotates back and casts.  Larger
 parts (config.cuda_merge_apart) are merged the same way by a second launch, one CTA per output row.  Calls the
 kernel does not serve (other bit pairs or head dims, key groups other than config.CUDA_KEY_GROUPS, more than 8 query
-rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which the extension's launches do without: they guard
-themselves.  The extension is built with nvcc on first use (ops/cuda_extension.py), for the GPUs this process sees.
+rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which the
+extension's launches do without: they guard themselves.  The extension is built with nvcc on first use
+(ops/cuda_extension.py), for the GPUs this process sees.
 """
 
 from __future__ import annotations
