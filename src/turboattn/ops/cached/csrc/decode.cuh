@@ -448,13 +448,14 @@ struct GroupCodes {
 #pragma unroll
     for (int i = 0; i < LOW_WORDS; ++i) {
       const int j = low_byte(c, i);
-      const uint8_t* high = row + P0 + j % P1;
       if (TAIL && i == LOW_WORDS - 1) {
         w[i] = __ldcs(reinterpret_cast<const unsigned short*>(row + j));
-        if constexpr (P::HIGH > 0) w[LOW_WORDS + i] = __ldcs(reinterpret_cast<const unsigned short*>(high));
+        if constexpr (P::HIGH > 0)
+          w[LOW_WORDS + i] = __ldcs(reinterpret_cast<const unsigned short*>(row + P0 + j % P1));
       } else {
         w[i] = __ldcs(reinterpret_cast<const unsigned int*>(row + j));
-        if constexpr (P::HIGH > 0) w[LOW_WORDS + i] = __ldcs(reinterpret_cast<const unsigned int*>(high));
+        if constexpr (P::HIGH > 0)
+          w[LOW_WORDS + i] = __ldcs(reinterpret_cast<const unsigned int*>(row + P0 + j % P1));
       }
     }
   }
