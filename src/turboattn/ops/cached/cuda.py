@@ -24,7 +24,7 @@ from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
                      cuda_exact_parts, cuda_kernel_serves, cuda_merge_apart, plan_decode)
-from .triton import cached_attention_triton, group_rotation, query_scale
+from .triton import cached_attention_triton, queries_in_groups, query_scale
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -83,7 +83,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
                       fixed.window, plan.num_splits, num_parts, fixed.ring, has_fresh, CUDA_CHUNK_ALIGN, counters,
                       None, sinks, k, v, fixed.fresh_key_shift if has_fresh else fixed.key_shift, *exact_rows,
                       cuda_merge_apart(num_parts, rows, d), *fixed.groups,
-                      _queries_in_groups(q, fixed) if fixed.groups[0] else None)
+                      queries_in_groups(q, layout, codec) if fixed.groups[0] else None)
 
 
 def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None,
@@ -114,21 +114,8 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
         return ext.decode(q, *head, *part_scratch(q, hkv, num_parts), q_scale, kernel_softcap, window,
                           plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
                           key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d), *groups,
-                          _queries_in_groups(q, fixed) if groups[0] else None)
+                          queries_in_groups(q, layout, codec) if groups[0] else None)
     return launch
-
-
-def _queries_in_groups(q: torch.Tensor, fixed: _LayoutArgs) -> torch.Tensor:
-    """q in the key groups' domain as the kernel reads it (DecodeParams::q_keys), float32 [B, Hq, Tq, D]
-    contiguous: (q / gain)[order] (key_transform.to_stored_queries) as one gather and one product with the gains
-    already in channel order, then one product with the groups' block-diagonal rotation."""
-    b, hq, tq, d = q.shape
-    hkv = fixed.num_kv_heads
-    x = q.reshape(b, hkv, hq // hkv, tq, d)
-    if fixed.query_index is not None:
-        x = x.gather(-1, fixed.query_index.expand(x.shape))
-    x = x * fixed.query_gain_inv if fixed.query_gain_inv is not None else x.to(torch.float32)
-    return x.reshape(b, hq, tq, d) @ fixed.query_rotation
 
 
 def _exact_ctas(plan: DecodePlan, fixed: _LayoutArgs) -> int:
@@ -149,8 +136,7 @@ class _LayoutArgs:
     step's layout is the same object every step until the cache's tensors change: CacheLayout.derived)."""
 
     __slots__ = ("codec", "num_kv_heads", "capacity", "serves", "exact_row_count", "exact_parts", "head", "groups",
-                 "query_index", "query_gain_inv", "query_rotation", "window", "ring", "counters", "key_shift",
-                 "fresh_key_shift", "exact_rows")
+                 "window", "ring", "counters", "key_shift", "fresh_key_shift", "exact_rows")
 
     def __init__(self, layout: CacheLayout, codec: KVCodec):
         k_codes = layout.k_codes
@@ -165,20 +151,9 @@ class _LayoutArgs:
         self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0
         transform = layout.key_gain is not None
         # Key groups: the kernel takes group a's width and both groups' bits, and q already in the groups' domain
-        # (_queries_in_groups: the gain applied there).
+        # (triton.queries_in_groups: the gain applied there).
         groups = codec.key_groups
         self.groups = (groups[0][0], groups[1][1]) if groups else (0, 0)
-        # ... and _queries_in_groups' tensors: the order as a gather index and the gains' inverses in that order,
-        # [B, Hkv, 1, 1, D] (None: no order, no gains), and the rotation.
-        self.query_index = self.query_gain_inv = self.query_rotation = None
-        if groups and self.serves:
-            order = layout.key_order.to(torch.int64) if layout.key_order is not None else None
-            gain_inv = layout.key_gain_inv if transform else None
-            if gain_inv is not None and order is not None:
-                gain_inv = gain_inv.gather(-1, order)
-            self.query_index = order[:, :, None, None] if order is not None else None
-            self.query_gain_inv = gain_inv[:, :, None, None].to(torch.float32) if gain_inv is not None else None
-            self.query_rotation = group_rotation(groups, dev)
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
                      layout.key_gain_inv if transform and not groups else None, device_signs(d, dev),
                      groups[0][1] if groups else codec.k_bits, codec.v_bits) if self.serves else None

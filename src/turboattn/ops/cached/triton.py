@@ -507,18 +507,49 @@ def group_rotation(key_groups: tuple[tuple[int, int], ...], device: torch.device
     return torch.block_diag(rotation_matrix(width).T, rotation_matrix(rest).T).to(device, torch.float32)
 
 
-def grouped_key_rows(x: torch.Tensor, layout: CacheLayout, codec: KVCodec, queries: bool,
-                     factor: float = 1.0) -> torch.Tensor:
-    """Keys (or, queries=True, queries) x [B, H, T, D] in the model's domain -> the key groups' domain as the
-    kernel's GROUPED path reads them, float16: the key transform and channel order applied (to_stored_keys /
-    to_stored_queries), then each group rotated as its codec rotates it (codec.key_groups), times factor."""
+def grouped_key_rows(k: torch.Tensor, layout: CacheLayout, codec: KVCodec) -> torch.Tensor:
+    """Keys k [B, Hkv, T, D] in the model's domain -> the key groups' domain as the kernel's GROUPED path reads
+    them, float16: the key transform and channel order applied (to_stored_keys), then each group rotated as its
+    codec rotates it (codec.key_groups)."""
     if layout.has_key_transform:
-        if queries:
-            x = to_stored_queries(x.to(torch.float32), layout.key_gain, layout.key_order)
-        else:
-            x = to_stored_keys(x, layout.key_shift, layout.key_gain, layout.key_order)
-    y = x.to(torch.float32) @ group_rotation(codec.key_groups, x.device)
-    return (y * factor if factor != 1.0 else y).to(torch.float16)
+        k = to_stored_keys(k, layout.key_shift, layout.key_gain, layout.key_order)
+    return (k.to(torch.float32) @ group_rotation(codec.key_groups, k.device)).to(torch.float16)
+
+
+def queries_in_groups(q: torch.Tensor, layout: CacheLayout, codec: KVCodec) -> torch.Tensor:
+    """q [B, Hq, T, D] in the key groups' domain, float32 [B, Hq, T, D] contiguous, as the grouped paths of this
+    kernel and the CUDA one read it: (q / gain)[order] (key_transform.to_stored_queries) as one gather and one
+    product with the gains' inverses in that order, then one product with the groups' block-diagonal rotation.
+    The index, gains and rotation are derived once per layout (a decode step's is the same object every step)."""
+    derived = layout.derived_for(_QUERY_GROUPS, codec, _QueryGroups)
+    b, hq, tq, d = q.shape
+    x = q.reshape(b, layout.num_kv_heads, hq // layout.num_kv_heads, tq, d)
+    if derived.index is not None:
+        x = x.gather(-1, derived.index.expand(x.shape))
+    x = x * derived.gain_inv if derived.gain_inv is not None else x.to(torch.float32)
+    return x.reshape(b, hq, tq, d) @ derived.rotation
+
+
+_QUERY_GROUPS = "query groups"   # CacheLayout.derived's key
+
+
+class _QueryGroups:
+    """queries_in_groups' tensors for one layout: the channel order as a gather index and the gains' inverses in
+    that order, [B, Hkv, 1, 1, D] (None without a key transform), and the groups' rotation."""
+
+    __slots__ = ("codec", "index", "gain_inv", "rotation")
+
+    def __init__(self, layout: CacheLayout, codec: KVCodec):
+        self.codec = codec
+        self.index = self.gain_inv = None
+        if layout.has_key_transform:
+            gain_inv = layout.key_gain_inv
+            if layout.key_order is not None:
+                order = layout.key_order.to(torch.int64)
+                gain_inv = gain_inv.gather(-1, order)
+                self.index = order[:, :, None, None]
+            self.gain_inv = gain_inv[:, :, None, None].to(torch.float32)
+        self.rotation = group_rotation(codec.key_groups, layout.k_codes.device)
 
 
 def part_buffers(q: torch.Tensor, num_kv_heads: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -553,11 +584,11 @@ def launch_parts(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, k: torch.
     pre_rotated = d > 256
     key_xform = layout.has_key_transform
     grouped = codec.grouped_keys
-    if grouped:   # q and the exact rows' keys in the key groups' domain (grouped_key_rows); values as below
-        q = grouped_key_rows(q, layout, codec, True, q_scale)
-        k = None if k is None else grouped_key_rows(k, layout, codec, False)
-        rk = None if rk is None else grouped_key_rows(rk, layout, codec, False)
-        fk = None if fk is None else grouped_key_rows(fk, layout, codec, False)
+    if grouped:   # q and the exact rows' keys in the key groups' domain; values as below
+        q = (queries_in_groups(q, layout, codec) * q_scale).to(torch.float16)
+        k = None if k is None else grouped_key_rows(k, layout, codec)
+        rk = None if rk is None else grouped_key_rows(rk, layout, codec)
+        fk = None if fk is None else grouped_key_rows(fk, layout, codec)
         key_xform = False
         if pre_rotated:
             v = None if v is None else rotate(v.to(torch.float32)).to(torch.float16)
