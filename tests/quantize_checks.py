@@ -47,3 +47,39 @@ def assert_same(fused, ref, inputs):
             assert float(rel.masked_fill(flipped, 0.0).max()) < 1e-5
         rel = (s_got - s_want).abs() / s_want.abs().clamp_min(1e-30)
         assert float(rel.max()) < 0.05
+
+
+def assert_grouped_codes_agree(fused, ref, k, v, b):
+    """Sequence b's cell indices in caches with keys in channel groups (each group's and the values') equal but for
+    coordinates within float rounding of a cell boundary (near_boundary); scales to float32 rounding where a vector's
+    codes agree (bfloat16 scales: to one unit in the last place).  k, v [1, Hkv, T, D]: the tokens the sequence's
+    first T slots hold, in the model's domain (the reference cache's key transform and order apply)."""
+    codec = ref.codec
+    seq = slice(b, b + 1)
+    stored = k.double()
+    if ref.key_shift is not None:
+        stored = (stored - ref.key_shift.double()[seq, :, None]) * ref.key_gain.double()[seq, :, None]
+        if ref.key_order is not None:
+            stored = stored.gather(-1, ref.key_order.long()[seq, :, None, :].expand(k.shape))
+    lo, byte, sides = 0, 0, []
+    for i, group in enumerate(codec.key_group_codecs):
+        width, nbytes = group.head_dim, group.code_bytes("k")
+        sides.append((group, "k", stored[..., lo:lo + width], slice(byte, byte + nbytes), slice(i, i + 1)))
+        lo, byte = lo + width, byte + nbytes
+    sides.append((codec, "v", v.double(), slice(None), slice(None)))
+    t = k.shape[2]
+    for group, kind, x, code_cols, scale_cols in sides:
+        packed = [ta.Packed(getattr(c, f"{kind}_codes")[seq, :, :t, code_cols],
+                            getattr(c, f"{kind}_scales")[seq, :, :t, scale_cols]) for c in (fused, ref)]
+        idx = [group.unpack(p, kind) for p in packed]
+        differ = idx[0] != idx[1]
+        assert int(differ.sum()) <= int(near_boundary(group, x, kind).sum())
+        same = ~differ.reshape(*differ.shape[:-1], group.num_blocks if kind == "v" else 1, -1).any(-1)
+        got, want = packed[0].scales, packed[1].scales
+        assert torch.equal(got.isnan(), want.isnan())
+        if want.dtype == torch.bfloat16:   # neighbouring values at most (assert_same)
+            ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            assert int(ulps.masked_fill(~same | want.isnan(), 0).max()) <= 1
+        else:
+            torch.testing.assert_close(torch.where(same, got, 0), torch.where(same, want, 0), rtol=1e-5, atol=0,
+                                       equal_nan=True)

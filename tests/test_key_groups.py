@@ -15,6 +15,8 @@ from turboattn.format.key_transform import (MIN_FIT_TOKENS, fit_key_order, from_
 from turboattn.ops.backend import choose
 from turboattn.ops.flash.naive import attention_reference
 
+from quantize_checks import assert_grouped_codes_agree
+
 GROUPS = ((48, 6), (80, 3))   # head_dim 128: the wide group first, as the fitted order puts it
 
 
@@ -228,15 +230,15 @@ def test_batch_edits_keep_each_sequences_order(gen):
 
 
 def test_auto_sends_grouped_keys_where_they_are_read():
-    """"auto" on CUDA tensors: cached attention goes to the CUDA implementation, which runs its kernel for the key
-    groups it is built for and hands other groupings to Triton; the CUDA quantize-append does not read groups, so
-    appends go to Triton."""
+    """"auto" on CUDA tensors: cached attention and quantize-append go to the CUDA implementations, which run their
+    kernels for the key groups they are built for and hand other groupings to Triton."""
     from turboattn.ops import backend
     cuda = torch.device("cuda")
     assert choose("cached_attention", "auto", cuda, 256, True) == "cuda"
-    assert choose("quantize_append", "auto", cuda, 128, True) == "triton"
-    assert choose("quantize_append", "auto", cuda, 128, False) == "cuda"
-    assert not backend._REGISTRY["quantize_append"]["cuda"].serves(128, True)
+    for grouped in (False, True):
+        assert choose("quantize_append", "auto", cuda, 256, grouped) == "cuda"
+    assert choose("quantize_append", "auto", cuda, 80, True) == "triton"
+    assert backend._REGISTRY["quantize_append"]["cuda"].serves(128, True)
 
 
 def test_cuda_key_group_builds_match_the_kernels_list():
@@ -353,33 +355,6 @@ def test_triton_attention_nonfinite_keys(gen):
     assert torch.isfinite(want).all() and _rel(ta.cached_attention(q, cache, backend="triton"), want) < FP16_TOL
 
 
-def _assert_codes_agree(fused, ref, k, v, b):
-    """Sequence b's cell indices (each key group's and the values') equal but for coordinates within float
-    rounding of a cell boundary (quantize_checks.near_boundary); scales to float32 rounding where a vector's codes
-    agree.  k, v [1, Hkv, T, D]: the tokens the sequence's first T slots hold."""
-    from quantize_checks import near_boundary
-    codec = ref.codec
-    seq = slice(b, b + 1)
-    stored = (k.double() - ref.key_shift.double()[seq, :, None]).gather(
-        -1, ref.key_order.long()[seq, :, None, :].expand(k.shape))
-    lo, byte, sides = 0, 0, []
-    for i, group in enumerate(codec.key_group_codecs):
-        width, nbytes = group.head_dim, group.code_bytes("k")
-        sides.append((group, "k", stored[..., lo:lo + width], slice(byte, byte + nbytes), slice(i, i + 1)))
-        lo, byte = lo + width, byte + nbytes
-    sides.append((codec, "v", v.double(), slice(None), slice(None)))
-    t = k.shape[2]
-    for group, kind, x, code_cols, scale_cols in sides:
-        packed = [ta.Packed(getattr(c, f"{kind}_codes")[seq, :, :t, code_cols],
-                            getattr(c, f"{kind}_scales")[seq, :, :t, scale_cols]) for c in (fused, ref)]
-        idx = [group.unpack(p, kind) for p in packed]
-        differ = idx[0] != idx[1]
-        assert int(differ.sum()) <= int(near_boundary(group, x, kind).sum())
-        same = ~differ.any(-1, keepdim=True)
-        torch.testing.assert_close(torch.where(same, packed[0].scales, 0), torch.where(same, packed[1].scales, 0),
-                                   rtol=1e-5, atol=0, equal_nan=True)
-
-
 @needs_triton
 @pytest.mark.parametrize("d, groups, v_bits", TRITON_CASES, ids=["d64", "d256", "d128", "d512"])
 @pytest.mark.parametrize("window", [None, 16], ids=["contiguous", "ring"])
@@ -404,6 +379,6 @@ def test_triton_append_matches_the_pytorch_twin(gen, d, groups, v_bits, window):
         keep = torch.cat([torch.ones(20, dtype=torch.bool), torch.arange(10) < 7])   # sequence 1's real tokens
         finite = torch.isfinite(k).all(-1)
         assert bool(finite[0].all()) and not bool(finite[1, 0, 25])
-        _assert_codes_agree(fused, ref, k[:1], v[:1], 0)
+        assert_grouped_codes_agree(fused, ref, k[:1], v[:1], 0)
         kept = torch.where(finite[..., None], k, 0)[1:, :, keep]   # the NaN key: codes 0 in both (checked above)
-        _assert_codes_agree(fused, ref, kept, v[1:, :, keep], 1)
+        assert_grouped_codes_agree(fused, ref, kept, v[1:, :, keep], 1)

@@ -21,9 +21,12 @@ def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
     if codec.grouped_keys:   # each key group's tables as a key of its width, and the values'
         for part in (*codec.key_group_codecs, KVCodec(codec.head_dim, codec.v_bits, codec.v_bits)):
             allocate_device_tables(part, device)
-        if importable("triton"):   # and the groups' block-diagonal rotation, which the kernels' hosts apply
+        if importable("triton"):   # the groups' block-diagonal rotation, which the kernels' hosts apply to q
             from .cached.triton import group_rotation
+            from .quantize.cuda import CUDA_QUANTIZE_KEY_GROUPS, group_tables
             group_rotation(codec.key_groups, device)
+            if (codec.head_dim, codec.key_groups) in CUDA_QUANTIZE_KEY_GROUPS:   # the CUDA append's Hartley factors
+                group_tables(codec.key_groups, device)
         return
     d = codec.head_dim
     device_signs(d, device)

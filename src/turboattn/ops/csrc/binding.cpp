@@ -30,7 +30,8 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
                      const c10::optional<torch::Tensor>& key_shift, const c10::optional<torch::Tensor>& recent_k,
                      const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
                      const c10::optional<torch::Tensor>& first_v, bool merge_apart, int64_t key_group_a,
-                     int64_t k_bits_b, const c10::optional<torch::Tensor>& q_keys) {
+                     int64_t k_bits_b, const c10::optional<torch::Tensor>& key_order,
+                     const c10::optional<torch::Tensor>& hartley_a, const c10::optional<torch::Tensor>& hartley_b) {
   turboattn::DecodeParams p{};
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0);
@@ -46,11 +47,16 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.starts = starts.data_ptr<int>();
   p.gain_inv = gain_inv.has_value() ? gain_inv->data_ptr<float>() : nullptr;
   p.signs = signs.data_ptr<float>();
-  // Keys in two channel groups (key_group_a > 0): q in the groups' domain, float32 [B, Hq, Tq, D] contiguous.
-  TORCH_CHECK(key_group_a == 0 || (q_keys.has_value() && q_keys->is_contiguous() && q_keys->sizes() == q.sizes() &&
-                                   q_keys->scalar_type() == at::kFloat),
-              "turboattn decode: key groups need q_keys, float32 and contiguous, of q's shape");
-  p.q_keys = key_group_a > 0 ? q_keys->data_ptr<float>() : nullptr;
+  // Keys in two channel groups (key_group_a > 0): the channel order (int16 [B, Hkv, D] contiguous, or none: the
+  // model's) and the groups' Hartley factors.
+  TORCH_CHECK(key_group_a == 0 || (hartley_a.has_value() && hartley_b.has_value()),
+              "turboattn decode: key groups need their Hartley factors");
+  TORCH_CHECK(!key_order.has_value() || (key_order->is_contiguous() && key_order->scalar_type() == at::kShort &&
+                                         key_order->numel() == k_codes.size(0) * k_codes.size(1) * q.size(3)),
+              "turboattn decode: key_order must be int16 [B, Hkv, D], contiguous");
+  p.key_order = key_group_a > 0 && key_order.has_value() ? key_order->data_ptr<int16_t>() : nullptr;
+  p.hartley_a = key_group_a > 0 ? hartley_a->data_ptr<float>() : nullptr;
+  p.hartley_b = key_group_a > 0 ? hartley_b->data_ptr<float>() : nullptr;
   const int64_t rows = q.size(2) * (q.size(1) / k_codes.size(1));
   const int64_t part_rows = k_codes.size(0) * k_codes.size(1) * num_parts * rows;
   TORCH_CHECK(o_part.has_value() == lse_part.has_value(),
@@ -174,7 +180,10 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
                      const c10::optional<torch::Tensor>& nonfinite, const c10::optional<torch::Tensor>& recent_k,
                      const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
                      const c10::optional<torch::Tensor>& first_v, int64_t k_bits, int64_t v_bits, int64_t rule,
-                     bool ring) {
+                     bool ring, int64_t key_group_a, int64_t k_bits_b, const c10::optional<torch::Tensor>& key_order,
+                     const c10::optional<torch::Tensor>& k2_centroids, const c10::optional<torch::Tensor>& k2_bounds,
+                     const c10::optional<torch::Tensor>& k2_grid, double k2_grid_lo, double k2_grid_scale,
+                     const c10::optional<torch::Tensor>& hartley_a, const c10::optional<torch::Tensor>& hartley_b) {
   turboattn::QuantizeParams p{};
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -238,10 +247,25 @@ void quantize_append(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   p.capacity = k_codes.size(2);
   p.num_kv_heads = k_codes.size(1);
   p.ring = ring;
+  // Keys in two channel groups (key_group_a 0: one width; k_bits is then group a's bits).
+  p.key_group_a = static_cast<int>(key_group_a);
+  if (key_group_a != 0) {
+    p.k_bits_b = static_cast<int>(k_bits_b);
+    p.key_order = key_order.has_value() ? key_order->data_ptr<int16_t>() : nullptr;
+    p.k2_centroids = k2_centroids->data_ptr<float>();
+    p.k2_bounds = k2_bounds->data_ptr<float>();
+    p.k2_grid = k2_grid->data_ptr<uint8_t>();
+    p.k2_grid_lo = static_cast<float>(k2_grid_lo);
+    p.k2_grid_scale = static_cast<float>(k2_grid_scale);
+    p.k2_grid_size = k2_grid->numel();
+    p.hartley_a = hartley_a->data_ptr<float>();
+    p.hartley_b = hartley_b->data_ptr<float>();
+  }
   const c10::cuda::CUDAGuard guard(k.device());
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int err = launch_quantize_append(p, k.size(3), k.size(0), sms, at::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err != -1, "turboattn quantize_append: no kernel for head_dim ", k.size(3));
+  TORCH_CHECK(err != -1, "turboattn quantize_append: no kernel for head_dim ", k.size(3),
+              key_group_a != 0 ? " with these key groups" : "");
   TORCH_CHECK(err == 0, "turboattn quantize_append launch failed: CUDA error ", err);
 }
 
@@ -249,7 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "split-K decode over K and V codes of TURBOATTN_BIT_PAIRS (float32 or bfloat16 scales, exact rows), "
         "D = 64 / 128 / 256 / 512");
   m.def("quantize_append", &quantize_append, "fused quantize-append of k, v into the cache's codes, scales and exact "
-        "rows, advancing its lengths; D = 64 / 128 / 256 / 512, every bit width");
+        "rows, advancing its lengths; D = 64 / 128 / 256 / 512, every bit width, keys in the groups of "
+        "TURBOATTN_KEY_GROUPS");
   m.attr("COUNTERS_PER_HEAD") = turboattn::COUNTERS_PER_HEAD;
   m.def("ctas_per_sm", &ctas_per_sm, "CTAs per SM the kernel of (head_dim, k_bits, v_bits, exact rows, key group a's "
         "width or 0, group b's bits) is built for; -1: none", py::arg("head_dim"), py::arg("k_bits"),

@@ -1,7 +1,8 @@
 """The CUDA fast path of quantize-append (csrc/quantize.cu): head_dim 64/128/256/512, every bit width, scale rule
 and scale dtype, key transform, rings, per-sequence lengths, the non-finite count, the exact rows and the lengths'
-advance, in one launch.  Other head dims, GPUs before sm_80 and machines where the extension cannot be built go to
-the Triton kernel."""
+advance, in one launch; keys in the channel groups the decode kernel reads (cached/config.py CUDA_KEY_GROUPS).
+Other head dims and groupings, GPUs before sm_80 and machines where the extension cannot be built go to the Triton
+kernel."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import torch
 
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
-from ...format.rotation import device_signs
+from ...format.rotation import device_hartley, device_signs, odd_factor
+from ..cached.config import CUDA_KEY_GROUPS
 from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import boundary_grid
 from .triton import quantize_append_triton
 
 CUDA_QUANTIZE_HEAD_DIMS = (64, 128, 256, 512)
+# (head_dim, key groups) the kernel codes (csrc/decode.h's TURBOATTN_KEY_GROUPS, with the decode kernel's builds;
+# any value width).
+CUDA_QUANTIZE_KEY_GROUPS = frozenset((d, groups) for d, groups, _ in CUDA_KEY_GROUPS)
 _ALIGN = 16   # the kernel reads each lane's 32 values with 16-byte loads
 
 
@@ -71,6 +76,15 @@ def cell_grid(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 def _tables(k_bits: int, v_bits: int, head_dim: int, device: torch.device) -> tuple:
     """The kernel's read-only tables, in its argument order: each side's cell_grid, then the rotation's signs."""
     return (*cell_grid(k_bits, device), *cell_grid(v_bits, device), device_signs(head_dim, device))
+
+
+@lru_cache(maxsize=None)
+def group_tables(key_groups: tuple[tuple[int, int], ...], device: torch.device) -> tuple:
+    """Keys in groups: group b's cell_grid (centroids, boundaries, grid, lo, scale) and both groups' Hartley factors
+    (float32, rounded once from float64, as format/rotation.py's float32 path), in the kernel's argument order."""
+    (width_a, _), (width_b, bits_b) = key_groups
+    return (*cell_grid(bits_b, device), *(device_hartley(odd_factor(w), device, torch.float32)
+                                          for w in (width_a, width_b)))
 
 
 _NO_ROWS = (None, None)
@@ -141,12 +155,22 @@ class _LayoutArgs:
         recent = (layout.recent_k, layout.recent_v) if layout.exact_recent else _NO_ROWS
         first = (layout.first_k, layout.first_v) if layout.exact_first else _NO_ROWS
         self.codec = codec
-        # The head dims and GPUs the kernel serves, with exact rows (if any) of unit stride along D as it writes them.
-        self.serves = d in CUDA_QUANTIZE_HEAD_DIMS and capable(dev) and _unit_d_stride(*recent, *first)
+        groups = codec.key_groups
+        # The head dims, key groupings and GPUs the kernel serves, with exact rows (if any) of unit stride along D as
+        # it writes them.
+        self.serves = (d in CUDA_QUANTIZE_HEAD_DIMS and (not groups or (d, groups) in CUDA_QUANTIZE_KEY_GROUPS)
+                       and capable(dev) and _unit_d_stride(*recent, *first))
         key_gain = layout.key_gain   # None without a key transform
+        k_bits = groups[0][1] if groups else codec.k_bits   # key groups: group a's, group b's in the tail
         self.head = (layout.k_codes, layout.k_scales, layout.v_codes, layout.v_scales,
-                     *_tables(codec.k_bits, codec.v_bits, d, dev), layout.key_shift if key_gain is not None else None,
+                     *_tables(k_bits, codec.v_bits, d, dev), layout.key_shift if key_gain is not None else None,
                      key_gain, layout.seen, layout.starts) if self.serves else None
         self.counters = layout.merge_counters   # None: the shared arrival counters of the call's stream
-        self.tail = (layout.nonfinite, *recent, *first, codec.k_bits, codec.v_bits, codec.scale_rule_id,
-                     layout.sliding_window is not None)
+        if groups and self.serves:   # group a's width, group b's bits, the channel order, group b's tables
+            order = layout.key_order if key_gain is not None else None   # the kernel reads it as [B, Hkv, D]
+            grouped = (groups[0][0], groups[1][1], None if order is None else order.contiguous(),
+                       *group_tables(groups, dev))
+        else:
+            grouped = (0, 0, None, None, None, None, 0.0, 0.0, None, None)
+        self.tail = (layout.nonfinite, *recent, *first, k_bits, codec.v_bits, codec.scale_rule_id,
+                     layout.sliding_window is not None, *grouped)

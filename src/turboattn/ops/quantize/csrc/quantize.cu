@@ -28,6 +28,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "decode.h"  // TURBOATTN_KEY_GROUPS: the key groupings built
+#include "key_groups.cuh"
 #include "quantize.h"
 
 namespace turboattn {
@@ -133,6 +135,16 @@ __device__ __forceinline__ uint32_t plane_word(const uint8_t* cells, int j, int 
     word |= ((four >> shift) & MASK) << (k * W);
   }
   return word;
+}
+
+// Word `at` (a byte offset, a multiple of 4) of a vector's packed row of WIDTH coordinates at BITS: its planes one
+// after the other (format/codec.py pack_codes), from the cell indices as bytes in coordinate order.
+template <int WIDTH, int BITS>
+__device__ __forceinline__ uint32_t row_word(const uint8_t* cells, int at) {
+  using PW = PlaneWidths<BITS>;
+  constexpr int P0 = WIDTH * PW::LOW / 8;
+  if constexpr (PW::HIGH == 0) return plane_word<WIDTH, PW::LOW>(cells, at, 0);
+  else return at < P0 ? plane_word<WIDTH, PW::LOW>(cells, at, 0) : plane_word<WIDTH, PW::HIGH>(cells, at - P0, PW::LOW);
 }
 
 // Store N words at dst with the widest accesses its alignment allows (dst is a multiple of 4 * N bytes).
@@ -256,9 +268,7 @@ __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_ke
                                              const RawRow<DTYPE, PL>& raw, const Tables& tab, uint8_t* warp_cells,
                                              const float4* shift_ahead = nullptr, const float4* gain_ahead = nullptr) {
   using S = QuantShape<D, PL>;
-  using PW = PlaneWidths<BITS>;
   constexpr int ROW = D * BITS / 8;
-  constexpr int P0 = D * PW::LOW / 8;
   constexpr int ROW_WORDS = ROW / 4;
   constexpr int LANE_WORDS = (ROW_WORDS + S::L - 1) / S::L;  // packed words per lane (BITS * PL / 32)
   const int lane = threadIdx.x % 32;
@@ -356,11 +366,7 @@ __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_ke
 #pragma unroll
   for (int w = 0; w < LANE_WORDS; ++w) {
     const int at = min(sub * LANE_WORDS + w, ROW_WORDS - 1) * 4;  // byte of the packed row (lanes past it idle)
-    if constexpr (PW::HIGH == 0) {
-      words[w] = plane_word<D, PW::LOW>(cells, at, 0);
-    } else {
-      words[w] = at < P0 ? plane_word<D, PW::LOW>(cells, at, 0) : plane_word<D, PW::HIGH>(cells, at - P0, PW::LOW);
-    }
+    words[w] = row_word<D, BITS>(cells, at);
   }
   float scale = rms;
   if (p.rule != 0) {
@@ -465,11 +471,11 @@ __device__ __forceinline__ bool exact_rows_inline(const QuantizeParams& p, int s
          (p.exact_first == 0 || aligned(p.first[side], p.first_stride[side]));
 }
 
-// Code this CTA's tokens of one (sequence, KV head) and side, PL coordinates per lane.
-template <int D, int PL, int DTYPE, int BITS>
-__device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
-                                            const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows,
-                                            const ExactRows* exact) {
+// Loop over this CTA's tokens of one (sequence, KV head) and side: code(stored, slot, raw) codes a token whose raw
+// values (the lane's PL) were fetched, then its exact rows are written when `exact` says they take the registers.
+template <int D, int PL, int DTYPE, typename Code>
+__device__ __forceinline__ void for_each_token(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
+                                               const Rows<DTYPE, PL>& rows, const ExactRows* exact, Code code) {
   using S = QuantShape<D, PL>;
   const int tokens_per_cta = (blockDim.x / 32) * S::VECTORS;
   const int step = gridDim.x * tokens_per_cta;
@@ -481,11 +487,159 @@ __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key
     const RawRow<DTYPE, PL> raw = next;
     t_next = t + step;
     if (at.stored(t_next)) rows.fetch(t_next, next);
-    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, at.stored(t), at.slot(t), raw, tab, warp_cells,
-                                     rows.transform_ahead ? rows.shift : nullptr,
-                                     rows.transform_ahead ? rows.gain : nullptr);
+    code(at.stored(t), at.slot(t), raw);
     if (exact != nullptr && t < at.n_new)
       write_exact_rows<D, PL, DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads, t, raw, *exact);
+  }
+}
+
+// Code this CTA's tokens of one (sequence, KV head) and side, PL coordinates per lane.
+template <int D, int PL, int DTYPE, int BITS>
+__device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
+                                            const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows,
+                                            const ExactRows* exact) {
+  for_each_token<D, PL, DTYPE>(p, is_key, b, bh, at, rows, exact, [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
+    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, valid, slot, raw, tab, warp_cells,
+                                     rows.transform_ahead ? rows.shift : nullptr,
+                                     rows.transform_ahead ? rows.gain : nullptr);
+  });
+}
+
+// ---- Keys in two channel groups (format/codec.py key_groups), D = 256 ----
+//
+// A warp codes one key per step, 8 coordinates per lane, for appends of any length.  The lane's raw values (the
+// model's channels 8 lane .. 8 lane + 7) take the key transform, then go through shared memory into the stored order
+// (key_order), where group a is the first GA channels: lanes below GA / 8 hold it, the others group b.  Each group is
+// coded as codec.quantize codes a key of its width: its own power-of-two prescale, the table's first signs, the
+// rotation H_P ⊗ Q_m (format/rotation.py; m the width's odd factor) in shared memory, rows of m coordinates through
+// the Hartley factor and then columns of P through butterflies, a lane per row or column, unnormalized (1 / sqrt(P)
+// goes into the scale); then its RMS, its cells in its own tables, its planes and its scale.  A NaN or infinity
+// anywhere in the key stores codes 0 and NaN scales in both groups, counted once.
+// x summed (or maxed) over the lanes of the calling lane's group (in_a: group a's lanes, else group b's).
+__device__ __forceinline__ float own_group_sum(float x, bool in_a) {
+  float a = in_a ? x : 0.f, b = in_a ? 0.f : x;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, m);
+    b += __shfl_xor_sync(0xffffffffu, b, m);
+  }
+  return in_a ? a : b;
+}
+
+__device__ __forceinline__ float own_group_max(float x, bool in_a) {
+  float a = in_a ? x : 0.f, b = in_a ? 0.f : x;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, m));
+  }
+  return in_a ? a : b;
+}
+
+// Code one key of a warp in groups (the section's comment), whose raw values were fetched: valid says whether it is
+// stored, at `slot`.  work: the warp's D floats of shared memory; shift, gain: the lane's key transform or nullptr.
+template <int D, int GA, int KB, int KB2, int DTYPE>
+__device__ __forceinline__ void code_grouped_key(const QuantizeParams& p, int b, int bh, bool valid, int slot,
+                                                 const RawRow<DTYPE, GROUP_LANE_VALUES>& raw, const Tables& tab_a,
+                                                 const Tables& tab_b, const float* q_a, const float* q_b,
+                                                 const int (&order)[GROUP_LANE_VALUES], float* work,
+                                                 uint8_t* warp_cells, const float4* shift, const float4* gain) {
+  constexpr int PL = GROUP_LANE_VALUES;
+  static_assert(D == 32 * PL && GA % PL == 0 && GA > 0 && GA < D, "groups of whole lanes over one warp");
+  constexpr int RA = GA * KB / 8, ROW = RA + (D - GA) * KB2 / 8;  // group a's code bytes, the row's
+  static_assert(RA % 4 == 0 && ROW % 4 == 0, "each group's planes in whole words");
+  constexpr int ROW_WORDS = ROW / 4;
+  constexpr int LANE_WORDS = (ROW_WORDS + 31) / 32;
+  const int lane = threadIdx.x % 32;
+  const bool in_a = lane < GA / PL;
+  const int j0 = in_a ? PL * lane : PL * lane - GA;  // the lane's first channel within its group
+  float x[PL];
+  if (valid) {
+    convert_row<DTYPE, PL>(raw, x);
+  } else {
+#pragma unroll
+    for (int i = 0; i < PL; ++i) x[i] = 0.f;
+  }
+  if (shift != nullptr) {  // (k - shift) * gain, in the model's order
+#pragma unroll
+    for (int i = 0; i < PL / 4; ++i) {
+      const float4 s = shift[i], g = gain[i];
+      x[4 * i] = (x[4 * i] - s.x) * g.x;
+      x[4 * i + 1] = (x[4 * i + 1] - s.y) * g.y;
+      x[4 * i + 2] = (x[4 * i + 2] - s.z) * g.z;
+      x[4 * i + 3] = (x[4 * i + 3] - s.w) * g.w;
+    }
+  }
+  __syncwarp();  // the previous key's reads of work are done
+  if (p.key_order != nullptr) to_stored_order(x, work, order);
+  // A NaN or infinity anywhere makes `probe` NaN; each group's largest magnitude sets its prescale.
+  float amax = 0.f, probe = 0.f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    amax = fmaxf(amax, fabsf(x[i]));
+    probe = fmaf(x[i], 0.f, probe);
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) probe += __shfl_xor_sync(0xffffffffu, probe, m);
+  amax = own_group_max(amax, in_a);
+  const bool bad = probe != probe;
+  int e;
+  frexpf(amax, &e);  // amax in [2^(e-1), 2^e); 0 for 0 (codec.magnitude_exponent)
+  const int half = (-e) >> 1;
+  const float down_a = pow2(half), down_b = pow2(-e - half);
+#pragma unroll
+  for (int i = 0; i < PL; ++i) work[PL * lane + i] = x[i] * down_a * down_b * tab_a.signs[j0 + i];
+  rotate_key_groups<D, GA>(work, q_a, q_b);
+#pragma unroll
+  for (int i = 0; i < PL; ++i) x[i] = work[PL * lane + i];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) sumsq = fmaf(x[i], x[i], sumsq);
+  sumsq = own_group_sum(sumsq, in_a);
+  const float rms = sqrtf(sumsq / (in_a ? GA : D - GA));
+  const float inv = 1.f / (rms > 0.f ? rms : 1.f);
+  uint32_t packed[PL / 4];
+  float csq = 0.f, yc = 0.f;
+  const int keep = bad ? 0 : 0xff;  // a non-finite key stores codes 0
+  const Tables& tab = in_a ? tab_a : tab_b;
+  if (p.rule != 0) {
+    find_cells<PL, true>(x, inv, keep, tab, packed, csq, yc);
+  } else {
+    find_cells<PL, false>(x, inv, keep, tab, packed, csq, yc);
+  }
+  __syncwarp();  // the previous key's packing has read its cells
+  reinterpret_cast<uint2*>(warp_cells + PL * lane)[0] = make_uint2(packed[0], packed[1]);
+  __syncwarp();
+  uint32_t words[LANE_WORDS];
+#pragma unroll
+  for (int w = 0; w < LANE_WORDS; ++w) {
+    const int at = min(lane * LANE_WORDS + w, ROW_WORDS - 1) * 4;  // byte of the packed row (lanes past it idle)
+    words[w] = at < RA ? row_word<GA, KB>(warp_cells, at) : row_word<D - GA, KB2>(warp_cells + GA, at - RA);
+  }
+  float scale = rms;
+  if (p.rule != 0) {
+    csq = own_group_sum(csq, in_a);
+    if (p.rule == 1) {
+      scale = sqrtf(sumsq) / sqrtf(csq);
+    } else {
+      yc = own_group_sum(yc, in_a);
+      scale = yc / csq;
+    }
+    scale = rms > 0.f ? scale : 0.f;
+  }
+  if (valid) {
+    const size_t row = static_cast<size_t>(bh) * p.capacity + slot;
+    uint8_t* dst = p.k_codes + row * ROW;  // 4-byte aligned rows (ROW % 4 == 0): word stores
+#pragma unroll
+    for (int w = 0; w < LANE_WORDS; ++w)
+      if (lane * LANE_WORDS + w < ROW_WORDS) reinterpret_cast<uint32_t*>(dst)[lane * LANE_WORDS + w] = words[w];
+    if (lane == 0 || lane == GA / PL) {  // each group's first lane: its scale (1 / sqrt(P) normalizes the rotation)
+      const float norm = in_a ? 1.f / sqrtf(static_cast<float>(GroupShape<GA>::P))
+                              : 1.f / sqrtf(static_cast<float>(GroupShape<D - GA>::P));
+      const float s = bad ? __int_as_float(0x7fc00000) : times_pow2(scale * norm, e);
+      store_scale(p.k_scales, row * 2 + (in_a ? 0 : 1), s, p.scale_bf16);
+    }
+    if (bad && lane == 0 && p.nonfinite != nullptr) atomicAdd(p.nonfinite + b, 1);
   }
 }
 
@@ -931,8 +1085,10 @@ __device__ void copy_exact_rows(const QuantizeParams& p, bool is_key, int b, int
 // Grid: (token blocks, B * Hkv, 2: K or V); 32 to 128 threads.  Each CTA stages its side's tables in shared memory
 // (the cell grid, boundaries, centroids and signs: at most 4 KB), loops over token blocks gridDim.x apart, and
 // arrives on p.arrivals when done.  TILES: long appends of 16-bit vectors take code_tiles, at 4 CTAs of 128 registers
-// per SM up to D = 128 and 3 of 168 at 256; TRANSFORM: its build for keys with a transform (D <= 128).
-template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM>
+// per SM up to D = 128 and 3 of 168 at 256; TRANSFORM: its build for keys with a transform (D <= 128).  GA > 0: the
+// build for keys in two groups (GA channels at KB bits, the rest at KB2: code_grouped_key), which also stages group
+// b's tables and the Hartley factors.
+template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM, int GA = 0, int KB = 0, int KB2 = 0>
 __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1) quantize_append_kernel(const __grid_constant__ QuantizeParams p) {
   __shared__ __align__(16) uint8_t grid[MAX_GRID];
   __shared__ __align__(16) float bounds[256];
@@ -941,6 +1097,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
   __shared__ __align__(16) uint8_t cells[MAX_WARPS][32 * PL];  // each warp's cell indices, a byte each
   // The tile grid, the sign pairs and a transformed key side's shift and gain.
   __shared__ __align__(16) uint8_t tile_grid[TILES ? tile_grid_cells<D>() + (TRANSFORM ? 10 : 2) * D : 1];
+  // Grouped keys: group b's tables, both groups' Hartley factors, each warp's key as it is rotated.
+  __shared__ __align__(16) uint8_t grid_b[GA > 0 ? MAX_GRID : 1];
+  __shared__ __align__(16) float bounds_b[GA > 0 ? 256 : 1];
+  __shared__ __align__(16) float centroids_b[GA > 0 ? 256 : 1];
+  __shared__ __align__(16) float hartley[hartley_floats<D, GA>()];
+  __shared__ __align__(16) float group_work[GA > 0 ? MAX_WARPS * D : 1];
   const bool is_key = blockIdx.z == 0;
   const int bits = is_key ? p.k_bits : p.v_bits;
   const int bh = blockIdx.y, b = bh / p.num_kv_heads;
@@ -976,6 +1138,19 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
       copy_async<4>(centroids + i, centroids_src + i);
     }
     for (int i = threadIdx.x; i < D; i += blockDim.x) copy_async<4>(signs + i, p.signs + i);
+    if constexpr (GA > 0) {
+      if (is_key) {
+        constexpr int QA = GroupShape<GA>::M * GroupShape<GA>::M, QB = GroupShape<D - GA>::M * GroupShape<D - GA>::M;
+        for (int i = threadIdx.x; i < p.k2_grid_size / 16; i += blockDim.x)
+          copy_async<16>(reinterpret_cast<uint4*>(grid_b) + i, reinterpret_cast<const uint4*>(p.k2_grid) + i);
+        for (int i = threadIdx.x; i < (1 << KB2); i += blockDim.x) {
+          copy_async<4>(bounds_b + i, p.k2_bounds + i);
+          copy_async<4>(centroids_b + i, p.k2_centroids + i);
+        }
+        for (int i = threadIdx.x; i < QA; i += blockDim.x) copy_async<4>(hartley + i, p.hartley_a + i);
+        for (int i = threadIdx.x; i < QB; i += blockDim.x) copy_async<4>(hartley + QA + i, p.hartley_b + i);
+      }
+    }
     if (threadIdx.x == 0) {
       lengths[0] = n_new, lengths[1] = seen, lengths[2] = first_at;
       // The add depends on seen's value (seen >= 0), so the arrival cannot be performed before the read of it.
@@ -1011,13 +1186,31 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
     // The first rows are fetched before the tables are staged and the lengths read (any token below T is a valid
     // address), so that a decode step waits for one round trip to memory rather than three.
     const Rows<DTYPE, PL> rows = first_rows<D, PL, DTYPE>(p, is_key, b, bh % p.num_kv_heads);
+    int order[GROUP_LANE_VALUES];
+    if constexpr (GA > 0) {
+      if (is_key) key_order_ahead<D>(p.key_order, bh, order);  // read as the CTA starts
+    }
     stage(at, start, ticket);
     // A decode step (the short path) writes the exact rows from the registers it codes the tokens from.
     const ExactRows exact{at.n_new, at.slot0, start};
     if constexpr (PL == short_chunk_per_lane<D>())
       inline_exact = exact_rows_inline<DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads);
     const ExactRows* ex = inline_exact ? &exact : nullptr;
-    switch (bits) {
+    bool coded = false;
+    if constexpr (GA > 0) {
+      if (is_key) {
+        constexpr int QA = GroupShape<GA>::M * GroupShape<GA>::M;
+        const Tables tab_b{grid_b, bounds_b, centroids_b, signs, p.k2_grid_lo, p.k2_grid_scale, p.k2_grid_size};
+        float* work = group_work + (threadIdx.x / 32) * D;
+        for_each_token<D, PL, DTYPE>(p, true, b, bh, at, rows, ex, [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
+          code_grouped_key<D, GA, KB, KB2, DTYPE>(p, b, bh, valid, slot, raw, tab, tab_b, hartley, hartley + QA, order,
+                                                  work, warp_cells, rows.transform_ahead ? rows.shift : nullptr,
+                                                  rows.transform_ahead ? rows.gain : nullptr);
+        });
+        coded = true;
+      }
+    }
+    if (!coded) switch (bits) {
       case 2: code_tokens<D, PL, DTYPE, 2>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
       case 3: code_tokens<D, PL, DTYPE, 3>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
       case 4: code_tokens<D, PL, DTYPE, 4>(p, is_key, b, bh, at, tab, warp_cells, rows, ex); break;
@@ -1043,17 +1236,17 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
 
 // CTAs of quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM> resident per SM (registers and shared memory), asked
 // once.
-template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM>
+template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM, int GA, int KB, int KB2>
 int resident_ctas(int threads) {
   static int per_sm[MAX_WARPS + 1] = {};
   const int warps = threads / 32;
   if (per_sm[warps] == 0)
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[warps], quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM>,
-                                                  threads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm[warps], quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM, GA, KB, KB2>, threads, 0);
   return per_sm[warps];
 }
 
-template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM = false>
+template <int D, int PL, int DTYPE, bool TILES, bool TRANSFORM = false, int GA = 0, int KB = 0, int KB2 = 0>
 int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   constexpr int PER_WARP = TILES ? TILE_ROWS : QuantShape<D, PL>::VECTORS;  // tokens a warp codes per step
   const int rows = 2 * batch * p.num_kv_heads;
@@ -1061,9 +1254,9 @@ int launch(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   const int blocks = (p.tokens + warps * PER_WARP - 1) / (warps * PER_WARP);
   // One wave of resident CTAs over all (sequence, KV head, side) rows: long chunks keep the GPU full and each CTA's
   // staged tables serve many tokens.
-  const int per_row = max(1, (resident_ctas<D, PL, DTYPE, TILES, TRANSFORM>(warps * 32) * sms) / rows);
+  const int per_row = max(1, (resident_ctas<D, PL, DTYPE, TILES, TRANSFORM, GA, KB, KB2>(warps * 32) * sms) / rows);
   const dim3 grid(min(blocks, per_row), batch * p.num_kv_heads, 2);
-  quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM><<<grid, warps * 32, 0, stream>>>(p);
+  quantize_append_kernel<D, PL, DTYPE, TILES, TRANSFORM, GA, KB, KB2><<<grid, warps * 32, 0, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -1087,6 +1280,18 @@ int launch_for_shape(const QuantizeParams& p, int batch, int sms, cudaStream_t s
   else return launch<D, long_chunk_per_lane<D>(), DTYPE, false>(p, batch, sms, stream);
 }
 
+// Keys in groups: every append takes the decode-step shape (a key per warp: code_grouped_key).
+template <int D, int GA, int KB, int KB2>
+int launch_groups(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
+  constexpr int PL = short_chunk_per_lane<D>();
+  static_assert(PL == GROUP_LANE_VALUES, "a grouped key over one warp");
+  switch (p.in_dtype) {
+    case 0: return launch<D, PL, 0, false, false, GA, KB, KB2>(p, batch, sms, stream);
+    case 1: return launch<D, PL, 1, false, false, GA, KB, KB2>(p, batch, sms, stream);
+    default: return launch<D, PL, 2, false, false, GA, KB, KB2>(p, batch, sms, stream);
+  }
+}
+
 template <int D>
 int launch_for_dtype(const QuantizeParams& p, int batch, int sms, cudaStream_t stream) {
   switch (p.in_dtype) {
@@ -1102,6 +1307,14 @@ int launch_for_dtype(const QuantizeParams& p, int batch, int sms, cudaStream_t s
 int launch_quantize_append(const turboattn::QuantizeParams& params, int head_dim, int batch, int sms,
                            void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
+  if (params.key_group_a != 0) {
+#define TURBOATTN_QUANTIZE_GROUPS(D_, GA_, KB_, KB2_, VB_)                                                       \
+  if (head_dim == D_ && params.key_group_a == GA_ && params.k_bits == KB_ && params.k_bits_b == KB2_)          \
+    return turboattn::launch_groups<D_, GA_, KB_, KB2_>(params, batch, sms, s);
+    TURBOATTN_KEY_GROUPS(TURBOATTN_QUANTIZE_GROUPS)
+#undef TURBOATTN_QUANTIZE_GROUPS
+    return -1;
+  }
   switch (head_dim) {
     case 64: return turboattn::launch_for_dtype<64>(params, batch, sms, s);
     case 128: return turboattn::launch_for_dtype<128>(params, batch, sms, s);

@@ -53,13 +53,26 @@ struct QuantizeParams {
   int exact_dtype;
   int k_bits, v_bits, rule;  // rule: 0 rms, 1 corrected, 2 lsq (format/codec.py SCALE_RULES)
   int tokens, capacity, num_kv_heads, ring;
+  // Keys in two channel groups (format/codec.py key_groups; key_group_a 0: one width).  The stored key is the
+  // transformed key's channels in key_order [B, Hkv, D] (int16; nullptr: the model's order); group a is its first
+  // key_group_a channels at k_bits (the k_* tables), group b the rest at k_bits_b (the k2_* tables), each rotated
+  // with its own Hartley factor (hartley_a / hartley_b, [m * m] float32, format/rotation.py) and the first signs.
+  int key_group_a, k_bits_b;
+  const int16_t* key_order;
+  const float* k2_centroids;
+  const float* k2_bounds;
+  const uint8_t* k2_grid;
+  float k2_grid_lo, k2_grid_scale;
+  int k2_grid_size;
+  const float* hartley_a;
+  const float* hartley_b;
 };
 
 constexpr int MAX_GRID = 1024;  // cells of the largest grid (8-bit codes)
 
 }  // namespace turboattn
 
-// Launch quantize-append for head_dim D (64, 128, 256 or 512) on `stream` (a cudaStream_t) over the batch * Hkv
-// rows of a GPU with `sms` multiprocessors: the CUDA error code (0: none), -1 for a head dim the kernel is not
-// built for.
+// Launch quantize-append for head_dim D (64, 128, 256 or 512; with key groups, those of TURBOATTN_KEY_GROUPS in
+// decode.h) on `stream` (a cudaStream_t) over the batch * Hkv rows of a GPU with `sms` multiprocessors: the CUDA
+// error code (0: none), -1 for a head dim or key grouping the kernel is not built for.
 int launch_quantize_append(const turboattn::QuantizeParams& params, int head_dim, int batch, int sms, void* stream);
