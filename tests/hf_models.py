@@ -22,9 +22,9 @@ def tiny_llama(attn="turboattn", head_dim=64):
     return _build(transformers.LlamaForCausalLM, cfg, attn)
 
 
-def tiny_gemma3(attn="turboattn"):
+def tiny_gemma3(attn="turboattn", head_dim=64):
     cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=8,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                            query_pre_attn_scalar=24, max_position_embeddings=512)
     return _build(transformers.Gemma3ForCausalLM, cfg, attn)

@@ -19,12 +19,12 @@ import torch
 
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
-from ...format.rotation import device_signs
+from ...format.rotation import device_hartley, device_signs, odd_factor
 from ..cuda_extension import arrival_counters, capable, extension
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
                      cuda_exact_parts, cuda_kernel_serves, cuda_merge_apart, plan_decode)
-from .triton import cached_attention_triton, queries_in_groups, query_scale
+from .triton import cached_attention_triton, query_scale
 
 
 def supports(q: torch.Tensor, codec: KVCodec, num_kv_heads: int) -> bool:
@@ -82,8 +82,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     return ext.decode(q, *fixed.head, *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0),
                       fixed.window, plan.num_splits, num_parts, fixed.ring, has_fresh, CUDA_CHUNK_ALIGN, counters,
                       None, sinks, k, v, fixed.fresh_key_shift if has_fresh else fixed.key_shift, *exact_rows,
-                      cuda_merge_apart(num_parts, rows, d), *fixed.groups,
-                      queries_in_groups(q, layout, codec) if fixed.groups[0] else None)
+                      cuda_merge_apart(num_parts, rows, d), *fixed.groups)
 
 
 def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None,
@@ -113,8 +112,7 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
             return cached_attention_cuda(q, layout, codec, k, v, scale, softcap, None, plan)
         return ext.decode(q, *head, *part_scratch(q, hkv, num_parts), q_scale, kernel_softcap, window,
                           plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
-                          key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d), *groups,
-                          queries_in_groups(q, layout, codec) if groups[0] else None)
+                          key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d), *groups)
     return launch
 
 
@@ -150,12 +148,17 @@ class _LayoutArgs:
         # The most exact CTAs per (sequence, KV head) (the plan may take fewer: _exact_ctas).
         self.exact_parts = cuda_exact_parts(d, self.exact_row_count) if self.serves else 0
         transform = layout.key_gain is not None
-        # Key groups: the kernel takes group a's width and both groups' bits, and q already in the groups' domain
-        # (triton.queries_in_groups: the gain applied there).
+        # Key groups: the kernel takes group a's width and both groups' bits, the channel order and the groups'
+        # Hartley factors, and puts q into the groups' domain itself.
         groups = codec.key_groups
-        self.groups = (groups[0][0], groups[1][1]) if groups else (0, 0)
+        if groups and self.serves:
+            order = layout.key_order if transform else None
+            self.groups = (groups[0][0], groups[1][1], None if order is None else order.contiguous(),
+                           *(device_hartley(odd_factor(width), dev, torch.float32) for width, _ in groups))
+        else:
+            self.groups = (0, 0, None, None, None)
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,
-                     layout.key_gain_inv if transform and not groups else None, device_signs(d, dev),
+                     layout.key_gain_inv if transform else None, device_signs(d, dev),
                      groups[0][1] if groups else codec.k_bits, codec.v_bits) if self.serves else None
         # Fresh tokens and exact rows are scored in the model's domain, against k - key_shift.
         shift = layout.key_shift if transform and layout.key_shifted else None

@@ -517,10 +517,11 @@ def grouped_key_rows(k: torch.Tensor, layout: CacheLayout, codec: KVCodec) -> to
 
 
 def queries_in_groups(q: torch.Tensor, layout: CacheLayout, codec: KVCodec) -> torch.Tensor:
-    """q [B, Hq, T, D] in the key groups' domain, float32 [B, Hq, T, D] contiguous, as the grouped paths of this
-    kernel and the CUDA one read it: (q / gain)[order] (key_transform.to_stored_queries) as one gather and one
-    product with the gains' inverses in that order, then one product with the groups' block-diagonal rotation.
-    The index, gains and rotation are derived once per layout (a decode step's is the same object every step)."""
+    """q [B, Hq, T, D] in the key groups' domain, float32 [B, Hq, T, D] contiguous, as this kernel's grouped path
+    reads it (the CUDA kernel does the same in its set-up): (q / gain)[order] (key_transform.to_stored_queries) as
+    one gather and one product with the gains' inverses in that order, then one product with the groups'
+    block-diagonal rotation.  The index, gains and rotation are derived once per layout (a decode step's is the
+    same object every step)."""
     derived = layout.derived_for(_QUERY_GROUPS, codec, _QueryGroups)
     b, hq, tq, d = q.shape
     x = q.reshape(b, layout.num_kv_heads, hq // layout.num_kv_heads, tq, d)

@@ -38,6 +38,7 @@
 
 #include "codebooks.h"
 #include "decode.h"
+#include "key_groups.cuh"
 
 namespace turboattn {
 
@@ -420,7 +421,7 @@ struct ValueCodes {
 
 // Keys coded in two channel groups (format/codec.py: key_groups): group a, the first GA stored channels at KB bits,
 // then group b, the other D - GA at KB2 bits, each a planar row of its own width (rotated by its own rotation, which
-// the host applies to q: DecodeParams::q_keys) with its own scale, group a's bytes first.  A group's width is a
+// the set-up applies to q: DecodeParams::key_order) with its own scale, group a's bytes first.  A group's width is a
 // multiple of 16 but need not give each lane whole words, and group b's bytes start on any 4-byte boundary (e.g.
 // 156-byte keys of 112 x 6 + 144 x 4 bits), so a lane's slice is strided: word i of its low plane is bytes
 // [16 i + 4 c, 16 i + 4 c + 4), holding k-steps 2i and 2i + 1 of a 4-bit low plane (bytes 2 (kk % 2) + reg, dims j
@@ -497,6 +498,8 @@ struct KeyGroups {
   static constexpr int B_TABLE = KB == KB2 ? 0 : A::Table::WORDS;   // group b's table, in words after group a's
   static constexpr int TABLE_WORDS = B_TABLE + B::Table::WORDS;
   static_assert(A::ROW_BYTES % 4 == 0, "group b's bytes start on a 4-byte boundary");
+  // q is rotated in the set-up unnormalized, and scaled by one 1 / sqrt(P) (key_groups.cuh).
+  static_assert(GroupShape<GA>::P == GroupShape<D - GA>::P, "both groups' rotations of one power-of-two size");
 
   __device__ __forceinline__ static void build(uint32_t* table) {
     A::Table::build(table);
@@ -1640,12 +1643,16 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
     if constexpr (FOLD) sign[i] *= gi;
     else gain[i] = gi;
   }
+  // Key groups: the lane's stored channels' model channels.
+  int order[S::GROUPED ? GROUP_LANE_VALUES : 1];
+  if constexpr (S::GROUPED) {
+    static_assert(N == GROUP_LANE_VALUES, "key groups at D = 256: a lane's 8 channels lie in one group");
+    key_order_ahead<D>(p.key_order, bh, order);
+  }
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
     const int r = warp + k * WARPS, t = r / p.group, h = kvh * p.group + r % p.group;
-    if (r < rows && S::GROUPED) {   // q in the groups' domain already (float32 [B, Hq, Tq, D], the host's)
-      load_row<N>(p.q_keys, 2, (((long long)b * p.num_kv_heads * p.group + h) * p.tq + t) * D + lane * N, qx[k]);
-    } else if (r < rows) {
+    if (r < rows) {
       load_row<N>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N, qx[k]);
     } else {
 #pragma unroll
@@ -1669,20 +1676,30 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
 #pragma unroll
     for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
-  // q / gain, signs, then H (key groups: the host did the groups' own transform).
+  // q / gain, signs, then H; key groups: q / gain into the stored order, each group's signs and rotation.
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
-    if constexpr (!S::GROUPED) {
+    float* const row = q_rot + (warp + k * WARPS) * D;
+    if constexpr (S::GROUPED) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) qx[k][i] *= gain[i];
+      to_stored_order(qx[k], row, order);
+      // The signs of the lane's group's rotation: the table's first, at its channels' place in the group.
+      const float* group_signs = p.signs + (lane * N < GA ? lane * N : lane * N - GA);
+#pragma unroll
+      for (int i = 0; i < N; ++i) row[lane * N + i] = qx[k][i] * group_signs[i];
+      rotate_key_groups<D, GA>(row, p.hartley_a, p.hartley_b);
+    } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) qx[k][i] *= FOLD ? sign[i] : gain[FOLD ? 0 : i] * sign[i];
       hadamard_warp<D>(qx[k], lane);
-    }
 #pragma unroll
-    for (int i = 0; i < N; ++i) q_rot[(warp + k * WARPS) * D + lane * N + i] = qx[k][i];
+      for (int i = 0; i < N; ++i) row[lane * N + i] = qx[k][i];
+    }
   }
   __syncthreads();  // publishes the tables and the rotated queries
-  // The in-kernel H is unnormalized; the host's group rotations (key groups) are orthonormal.
-  const float q_norm = p.q_scale * (S::GROUPED ? 1.f : rsqrtf((float)D));
+  // The rotations are unnormalized: 1 / sqrt(D), or a group's 1 / sqrt(P) (both groups' P alike: KeyGroups).
+  const float q_norm = p.q_scale * rsqrtf(static_cast<float>(S::GROUPED ? GroupShape<S::GROUPED ? GA : 16>::P : D));
   // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims that the K fragments hold at k-indices
   // 2c, 2c+1 (register 0) and 2c+8, 2c+9 (register 1).
   auto q_fragment = [&](int kk) {

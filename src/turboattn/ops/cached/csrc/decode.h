@@ -21,11 +21,13 @@ struct DecodeParams {
   const int* seen;
   const int* starts;
   const float* gain_inv;  // [B, Hkv, D] or nullptr
-  // Keys in channel groups (launch_decode_groups): the queries in the groups' domain, float32 [B, Hq, Tq, D]
-  // contiguous (the key transform, the channel order and each group's rotation applied by the host); the kernel
-  // reads them instead of rotating q itself (gain_inv is then nullptr).  q is still read for the exact rows and
-  // the fresh tokens, which are scored in the model's domain.
-  const float* q_keys;
+  // Keys in channel groups (launch_decode_groups): the kernel takes q / gain into the stored channel order
+  // (key_order [B, Hkv, D] int16, stored channel j being the model's key_order[b, h, j]; nullptr: the model's order)
+  // and through each group's rotation (the signs' first entries and the Hartley factors hartley_a / hartley_b,
+  // [m * m] float32; key_groups.cuh).  The exact rows and the fresh tokens are scored in the model's domain.
+  const int16_t* key_order;
+  const float* hartley_a;
+  const float* hartley_b;
   const float* signs;     // [D]
   float* o_part;          // [B * Hkv * num_parts * rows, D]
   float* lse_part;        // [B * Hkv * num_parts * rows]
