@@ -109,6 +109,12 @@ def test_bench_suite_help(suite, capsys):
     assert exc.value.code == 0 and f"turboattn bench {suite}" in out
 
 
+def test_bench_generate_takes_key_groups():
+    from turboattn.cli.bench.generate import coded_preset
+    assert coded_preset("k112x6+144x4v3") == ("k112x6+144x4v3", ((112, 6), (144, 4)), 3)
+    assert coded_preset("k5v3") == ("k5v3", 5, 3)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["decode-sweep", "--lookup", "lut,foo"], "'foo' is not one of lut, gather"),
     (["decode-sweep", "--block-n", "48"], "powers of two"),
@@ -122,6 +128,8 @@ def test_bench_suite_help(suite, capsys):
     (["prefill", "--decode-configs", "n32w4s2tma"], "tma does not apply to the decode kernel"),
     (["key-transform", "--preset", "k4v4,k8v8"], "one preset"),
     (["sanitize-cases", "--cases", "all"], "'all' is not one of small, passkey, cuda, options, flash"),
+    (["generate", "--bits", "k4vq"], "preset must look like k4v4"),
+    (["quantize", "--cases", "groups"], "invalid choice: 'groups'"),
 ])
 def test_bench_rejects_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -2,7 +2,9 @@
 
 Models are built from config with random weights in bf16 (nothing downloaded): `8b` is the Llama-3-8B shape
 (hidden 4096, 32 q / 8 KV heads, head_dim 128, 32 layers), `1b` the Llama-3.2-1B shape (hidden 2048, 32 q / 8 KV
-heads, head_dim 64, 16 layers).  For every batch x context of `--grid` a prompt of random tokens is prefilled and
+heads, head_dim 64, 16 layers), `270m` Gemma-3-270M's sizes on the Llama architecture (hidden 640, 4 q / 1 KV
+heads, head_dim 256, 18 layers, all of them global: no sliding window).  `--bits` takes keys in channel groups too
+(k112x6+144x4v3).  For every batch x context of `--grid` a prompt of random tokens is prefilled and
 greedy decoding is timed on each path:
 
 - `bf16`: transformers' default (SDPA attention, DynamicCache), `model.generate`;
@@ -22,12 +24,14 @@ runs out of memory is reported as such (a bf16 cache that does not fit where the
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
 
-from ..args import batch_by_length, choices, positive_int, preset
+from ..args import batch_by_length, choices, positive_int
+from ..eval.methods import key_options, parse_preset
 from .args import add_cache_options, add_out
 from .common import environment, print_table, require_cuda, write_results
 
@@ -36,6 +40,8 @@ MODEL_SHAPES = {
                num_hidden_layers=32, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                num_hidden_layers=16, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True),
+    "270m": dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1,
+                 num_hidden_layers=18, head_dim=256, rope_theta=1000000.0, tie_word_embeddings=True),
 }
 PATHS = ("bf16", "bf16-compiled", "turboattn", "turboattn-compiled", "bf16-loop", "turboattn-loop",
          "bf16-compiled-loop", "turboattn-compiled-loop")
@@ -44,18 +50,28 @@ PATHS = ("bf16", "bf16-compiled", "turboattn", "turboattn-compiled", "bf16-loop"
 def add_arguments(parser) -> None:
     add_out(parser)
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="8b",
-                        help="model shape, random weights: 8b is Llama-3-8B, 1b Llama-3.2-1B")
+                        help="model shape, random weights: 8b is Llama-3-8B, 1b Llama-3.2-1B, 270m Gemma-3-270M's "
+                             "sizes")
     parser.add_argument("--grid", type=batch_by_length, default="1x32768", help="comma list of BATCHxCONTEXT")
     parser.add_argument("--paths", type=choices(*PATHS), default=",".join(PATHS), help="comma list of paths to time")
     parser.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="decoder layers (default: the model shape's)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per generate measurement (median)")
-    parser.add_argument("--bits", type=preset, default="k4v4", help="bits of the turboattn cache")
+    parser.add_argument("--bits", type=coded_preset, default="k4v4",
+                        help="bits of the turboattn cache (keys in channel groups: k112x6+144x4v3)")
     add_cache_options(parser)   # the turboattn cache's (the quality presets: first 4, recent 8 or 64, bfloat16)
     parser.add_argument("--prefill-chunk", type=positive_int, default=65536, metavar="TOKENS",
                         help="loop paths: prompt tokens per prefill forward, all sequences together (generate paths "
                              "prefill in one forward)")
+
+
+def coded_preset(text: str) -> tuple[str, int | tuple, int]:
+    """"k4v4" or "k112x6+144x4v3" -> (the name, the keys' bits or groups, the values' bits)."""
+    try:
+        return (text, *parse_preset(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _model(shape: str, layers: int | None):
@@ -145,13 +161,13 @@ def _time_loop(model, ids, new_tokens: int, cache, chunk_tokens: int, compiled: 
     return 1e3 * (time.perf_counter() - start) / new_tokens
 
 
-def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
+def _run_path(path: str, model, ids, args, k_code: int | tuple, v_bits: int) -> dict:
     from transformers import DynamicCache, StaticCache
 
     from ...hf import TurboQuantCache
     config = model.config
     options = dict(exact_first=args.exact_first, exact_recent=args.exact_recent,
-                   scale_dtype=getattr(torch, args.scale_dtype))
+                   scale_dtype=getattr(torch, args.scale_dtype), v_bits=v_bits, **key_options(k_code))
     b, context = ids.shape
     tokens = context + args.new_tokens + 4
     model.config._attn_implementation = "turboattn" if path.startswith("turboattn") else "sdpa"
@@ -167,11 +183,11 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
         kv_bytes = _bf16_cache_bytes(config, b, context + args.new_tokens)
     elif path == "turboattn":
         ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
-                                   lambda: TurboQuantCache(config, k_bits, v_bits, **options), disable_compile=True)
+                                   lambda: TurboQuantCache(config, **options), disable_compile=True)
         kv_bytes = cache.nbytes
     elif path == "turboattn-compiled":
         ms, cache = _time_generate(model, ids, args.new_tokens, args.repeats,
-                                   lambda: TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens, **options))
+                                   lambda: TurboQuantCache(config, max_cache_len=tokens, **options))
         kv_bytes = cache.nbytes
     elif path == "bf16-loop":
         ms = _time_loop(model, ids, args.new_tokens, DynamicCache(config=config), args.prefill_chunk)
@@ -181,11 +197,11 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
                         args.prefill_chunk, compiled=True)
         kv_bytes = _bf16_cache_bytes(config, b, tokens)
     elif path == "turboattn-compiled-loop":
-        cache = TurboQuantCache(config, k_bits, v_bits, max_cache_len=tokens, **options)
+        cache = TurboQuantCache(config, max_cache_len=tokens, **options)
         ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk, compiled=True)
         kv_bytes = cache.nbytes
     else:
-        cache = TurboQuantCache(config, k_bits, v_bits, **options)
+        cache = TurboQuantCache(config, **options)
         ms = _time_loop(model, ids, args.new_tokens, cache, args.prefill_chunk)
         kv_bytes = cache.nbytes
     return {"ms_per_token": ms, "kv_cache_gib": kv_bytes / 2**30}
@@ -195,7 +211,7 @@ def _run_path(path: str, model, ids, args, k_bits: int, v_bits: int) -> dict:
 def run(args) -> int:
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be at least 2 (the first step is subtracted), got {args.new_tokens}")
-    k_bits, v_bits = args.bits
+    name, k_code, v_bits = args.bits
     require_cuda()
     model = _model(args.model, args.layers)
     results = []
@@ -207,7 +223,7 @@ def run(args) -> int:
             torch._dynamo.reset()   # each compiled path compiles afresh, not on top of another path's graphs
             row = {"model": args.model, "batch": batch, "context": context, "path": path}
             try:
-                row.update(_run_path(path, model, ids, args, k_bits, v_bits))
+                row.update(_run_path(path, model, ids, args, k_code, v_bits))
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             except torch.cuda.OutOfMemoryError:
                 row.update(ms_per_token=None, kv_cache_gib=None, peak_gib=None, error="out of memory")
@@ -218,7 +234,7 @@ def run(args) -> int:
              "-" if r["kv_cache_gib"] is None else r["kv_cache_gib"], "-" if r["peak_gib"] is None else r["peak_gib"]]
             for r in results]
     exact = f", exact first {args.exact_first} + recent {args.exact_recent}" if args.exact_first + args.exact_recent else ""
-    print_table(f"generate, {args.model} shape, {env['gpu']}, k{k_bits}v{v_bits}{exact}, {args.scale_dtype} scales",
+    print_table(f"generate, {args.model} shape, {env['gpu']}, {name}{exact}, {args.scale_dtype} scales",
                 ["B", "context", "path", "ms / new token", "KV cache GiB", "peak GiB"], rows)
     payload = {"env": env, "args": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "results": results}
     write_results(args.out, f"generate_{args.model}", payload)

@@ -26,7 +26,7 @@ def parse_preset(name: str) -> tuple[int | tuple[tuple[int, int], ...], int]:
                          f"got {name!r}") from None
 
 
-def _key_options(kb) -> dict:
+def key_options(kb) -> dict:
     """parse_preset's key part as KVCodec / TurboQuantCache keywords."""
     return dict(k_bits=None, key_groups=kb) if isinstance(kb, tuple) else dict(k_bits=kb)
 
@@ -36,7 +36,7 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # --scal
 
 def bits_per_element(preset: str, head_dim: int, scale_dtype: str = "float32") -> float:
     kb, vb = parse_preset(preset)
-    return KVCodec(head_dim, v_bits=vb, scale_dtype=SCALE_DTYPES[scale_dtype], **_key_options(kb)).bits_per_element()
+    return KVCodec(head_dim, v_bits=vb, scale_dtype=SCALE_DTYPES[scale_dtype], **key_options(kb)).bits_per_element()
 
 
 @dataclass
@@ -87,7 +87,7 @@ def turbo_method(preset: str, rule: str, mode: str, chunk: int = 256, exact_deco
         cache = TurboQuantCache(model.config, v_bits=vb, scale_rule=rule, quantize_current=strict, fit_keys=fit_keys,
                                 exact_recent=exact_recent, exact_first=exact_first,
                                 scale_dtype=SCALE_DTYPES[scale_dtype], exact_recent_sliding=recent_sliding,
-                                **_key_options(kb))
+                                **key_options(kb))
         if not strict and not exact_decode:
             from ...integrations.decode_emulation import DecodeEmulationLayer
             cache.layers = [DecodeEmulationLayer.from_layer(layer) for layer in cache.layers]
