@@ -18,12 +18,32 @@ def _settings(layer):
     return (layer.k_bits, layer.v_bits, layer.exact_first, layer.exact_recent, layer.scale_dtype)
 
 
-@pytest.mark.parametrize("head_dim, want", [(64, (4, 3, 4, 64, torch.bfloat16)), (128, (4, 3, 4, 64, torch.bfloat16)),
-                                            (256, (5, 3, 4, 8, torch.bfloat16)), (512, (5, 3, 4, 8, torch.bfloat16))])
-def test_default_follows_head_dim(head_dim, want):
+GEMMA3_KEYS = ((112, 6), (144, 4))   # QUALITY.md: the best <= 4.25-bit cache on Gemma-3-270M (head_dim 256)
+
+
+@pytest.mark.parametrize("head_dim, want, groups", [
+    (64, (4, 3, 4, 64, torch.bfloat16), ()), (128, (4, 3, 4, 64, torch.bfloat16), ()),
+    (192, (5, 3, 4, 8, torch.bfloat16), ()), (256, (None, 3, 4, 8, torch.bfloat16), GEMMA3_KEYS),
+    (512, (5, 3, 4, 8, torch.bfloat16), ())])
+def test_default_follows_head_dim(head_dim, want, groups):
     cache = TurboQuantCache(_config(head_dim))
-    assert all(_settings(layer) == want for layer in cache.layers)
+    assert all(_settings(layer) == want and layer.key_groups == groups for layer in cache.layers)
     assert (cache.k_bits, cache.v_bits, cache.exact_first, cache.exact_recent, cache.scale_dtype) == want
+    assert cache.key_groups == groups
+
+
+def test_head_dim_256_default_is_at_most_4_25_bits_per_element():
+    """The key groups' codes cost 16 bits less per key than k5v3's (156 bytes against 160), so the preset's bits
+    per element stay at or under k5v3's."""
+    from turboattn import KVCodec
+    grouped = KVCodec(256, None, 3, key_groups=GEMMA3_KEYS, scale_dtype=torch.bfloat16)
+    plain = KVCodec(256, 5, 3, scale_dtype=torch.bfloat16)
+    assert grouped.bits_per_element() < plain.bits_per_element() <= 4.25
+
+
+def test_explicit_groups_with_the_default_values_and_extras():
+    cache = TurboQuantCache(_config(256), key_groups=((96, 6), (160, 4)))
+    assert cache.key_groups == ((96, 6), (160, 4)) and _settings(cache.layers[0]) == (None, 3, 4, 8, torch.bfloat16)
 
 
 def test_head_dim_from_hidden_size_when_the_config_names_none():

@@ -73,20 +73,27 @@ KEY_FIT_DEFAULT = "center"   # QUALITY.md: "balance" costs long-context retrieva
 # TurboQuantCache's default preset, by the largest head_dim a row serves: the best cache measured at <= 4.25 bits
 # per element, everything counted, on SmolLM2-135M (head_dim 64) and Gemma-3-270M (256) with the bf16 model on an
 # H100 (QUALITY.md, "Choosing the default"): SmolLM2 +0.17% perplexity at 8K-token prompts (3.89 bits), Gemma-3
-# +0.33% at 8K (4.15 bits).  Key bits matter more than value bits on both; at head_dim 256 the scales cost a
-# quarter as much, which buys the fifth key bit, and the window stays short because a sliding layer's ring holds
-# 512 tokens (Gemma-3), where each exact token costs 16 / 512 bits per element.  head_dim 128 takes the first row:
-# no model of that size was measured (k5v3 would be 4.26 bits with the exact rows at 8K).
+# +0.17% at 8K (4.12 bits) and +0.30% at 2K (4.22 bits).  Key bits matter more than value bits on both; at
+# head_dim 256 the scales cost a quarter as much, which buys more key bits, spent where the keys' variance is
+# (key_groups: the 112 highest-variance channels at 6 bits, the other 144 at 4), and the window stays short
+# because a sliding layer's ring holds 512 tokens (Gemma-3), where each exact token costs 16 / 512 bits per
+# element.  Other head dims above 128 keep k5v3 (+0.77% at 2K on Gemma-3): the CUDA kernels read key groups at
+# head_dim 256 only (ops/cached/config.py CUDA_KEY_GROUPS).  head_dim 128 takes the first row: no model of that
+# size was measured (k5v3 would be 4.26 bits with the exact rows at 8K).
+_LONG_HEAD_EXTRAS = dict(v_bits=3, exact_first=4, exact_recent=8, scale_dtype=torch.bfloat16)
 DEFAULT_PRESETS = (
     (128, dict(k_bits=4, v_bits=3, exact_first=4, exact_recent=64, scale_dtype=torch.bfloat16)),
-    (512, dict(k_bits=5, v_bits=3, exact_first=4, exact_recent=8, scale_dtype=torch.bfloat16)),
+    (240, dict(k_bits=5, **_LONG_HEAD_EXTRAS)),
+    (256, dict(k_bits=None, key_groups=((112, 6), (144, 4)), **_LONG_HEAD_EXTRAS)),
+    (512, dict(k_bits=5, **_LONG_HEAD_EXTRAS)),
 )
 # With bit widths given, the other coding options default to none of the preset's extras.
 PLAIN_OPTIONS = dict(exact_first=0, exact_recent=0, scale_dtype=torch.float32)
 
 
 def default_preset(head_dim: int) -> dict:
-    """TurboQuantCache's options when no bit widths are given: DEFAULT_PRESETS' row for head_dim."""
+    """TurboQuantCache's options when no bit widths are given: DEFAULT_PRESETS' row for head_dim (k_bits None
+    with key_groups: keys in channel groups)."""
     for largest, options in DEFAULT_PRESETS:
         if head_dim <= largest:
             return dict(options)
@@ -378,12 +385,12 @@ class TurboQuantCache(Cache):
     k_bits None): each layer orders its channels by the prompt keys' variance (key_transform.fit_key_order),
     and the first group, with the most bits, takes the largest.  Without v_bits it keeps the default preset's
     other options.  The PyTorch path, the Triton kernels and (for the groupings of
-    ops/cached/config.CUDA_KEY_GROUPS) the CUDA decode kernel read such caches; their appends run on Triton on a
-    GPU (BENCHMARKS.md).
+    ops/cached/config.CUDA_KEY_GROUPS) the CUDA decode and quantize-append kernels read such caches (BENCHMARKS.md).
 
     Without `k_bits` and `v_bits` the cache takes the default preset for the model's head_dim
-    (`default_preset`, DEFAULT_PRESETS: k4v3 with the first 4 and 64 newest tokens exact up to head_dim 128,
-    k5v3 with the first 4 and 8 newest above, bfloat16 scales); `exact_first`, `exact_recent` and
+    (`default_preset`, DEFAULT_PRESETS: k4v3 with the first 4 and 64 newest tokens exact up to head_dim 128; at
+    head_dim 256 keys in groups of 112 channels at 6 bits and 144 at 4, other head dims above 128 k5v3; there 3-bit
+    values with the first 4 and 8 newest tokens exact; bfloat16 scales); `exact_first`, `exact_recent` and
     `scale_dtype`, when given, replace its values.  With bit widths given those three default to none
     (no exact tokens, float32 scales).
     """
@@ -403,12 +410,12 @@ class TurboQuantCache(Cache):
             base = default_preset(_head_dim(config)) if v_bits is None else dict(PLAIN_OPTIONS, v_bits=v_bits)
             base["k_bits"] = None
         else:
-            key_groups = ()
             if (k_bits is None) != (v_bits is None):
                 raise ValueError(f"give both k_bits and v_bits, or neither (the default preset), got "
                                  f"k_bits={k_bits!r}, v_bits={v_bits!r}")
             base = default_preset(_head_dim(config)) if k_bits is None else dict(PLAIN_OPTIONS, k_bits=k_bits,
                                                                                   v_bits=v_bits)
+            key_groups = base.get("key_groups", ())   # the default preset's at head_dim 256
         k_bits, v_bits = base["k_bits"], base["v_bits"]
         exact_recent = base["exact_recent"] if exact_recent is None else exact_recent
         exact_first = base["exact_first"] if exact_first is None else exact_first
