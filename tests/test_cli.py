@@ -127,7 +127,7 @@ def test_bench_generate_takes_key_groups():
     (["prefill", "--configs", "n64w8s1"], "lacks BLOCK_M"),
     (["prefill", "--decode-configs", "n32w4s2tma"], "tma does not apply to the decode kernel"),
     (["key-transform", "--preset", "k4v4,k8v8"], "one preset"),
-    (["sanitize-cases", "--cases", "all"], "'all' is not one of small, passkey, cuda, options, flash"),
+    (["sanitize-cases", "--cases", "all"], "'all' is not one of small, passkey, cuda, options, groups, flash"),
     (["generate", "--bits", "k4vq"], "preset must look like k4v4"),
     (["quantize", "--cases", "groups"], "invalid choice: 'groups'"),
 ])

@@ -21,6 +21,10 @@ output is not finite, so a run also fails on a silent wrong result.
            static cache, and head dims that are not powers of two (80, 96); the 3-token steps
            (12 query rows per KV head) run the Triton kernel, the 1-token steps the CUDA kernel
            where it serves the case (D 64 / 128).
+  groups   keys in channel groups on the CUDA kernels (both groupings they are built for, D 256): appends of a
+           300-token chunk with ragged lengths and of one token, with a key transform and channel order, into a
+           contiguous cache with exact first and recent rows and into a ring that wraps; one-token decode steps
+           with and without fresh tokens, 1-8 query rows per KV head.
   flash    the dense kernels: causal prefill at D 64 / 128 / 512 and D 80, a boolean mask
            (tile classification), sliding window with sinks, softcap and ALiBi, and the
            split-K decode kernel with its reduction (Lq 1 and 4) at D 128 / 512.
@@ -38,7 +42,7 @@ from ...format.key_transform import fit_key_transform
 from .args import choices, positive_int
 from .common import require_cuda
 
-CASES = ("small", "passkey", "cuda", "options", "flash")
+CASES = ("small", "passkey", "cuda", "options", "groups", "flash")
 
 
 def add_arguments(parser) -> None:
@@ -119,6 +123,32 @@ def cuda_cases():
                     yield f"cuda D={d} k{bits[0]}v{bits[1]} window={window} group={g} fresh={fresh}", out
 
 
+def group_cases():
+    """(name, output) of caches with keys in channel groups through the CUDA append and decode kernels."""
+    from ...format.key_transform import fit_key_order
+    from ...ops.cached import cuda
+    from ...ops.cached.config import CUDA_KEY_GROUPS
+
+    for d, groups, v_bits in sorted(CUDA_KEY_GROUPS):
+        for window in (None, 96):
+            exact = dict(exact_first=4, exact_recent=8) if window is None else dict(exact_recent=8)
+            cache = ta.QuantizedKVCache(ta.KVCodec(d, None, v_bits, key_groups=groups, scale_dtype=torch.bfloat16),
+                                        3, 2, capacity=None if window else 400, sliding_window=window,
+                                        device="cuda", **exact)
+            k = _bf16(3, 2, 300, d)
+            cache.set_key_transform(k.float().mean(2), torch.rand(3, 2, d, device="cuda") + 0.5, fit_key_order(k))
+            cache.append(k, torch.randn_like(k), new_lengths=[300, 40, 1])   # a ring wraps at 96
+            for g, fresh in ((4, True), (1, False), (8, True)):
+                q = _bf16(3, 2 * g, 1, d)
+                assert cuda.supports(q, cache.codec, 2), "the case must reach the CUDA kernel"
+                kf = _bf16(3, 2, 1, d) if fresh else None
+                out = ta.cached_attention(q, cache, kf, None if kf is None else torch.randn_like(kf))
+                if fresh:
+                    cache.append(kf, torch.randn_like(kf))
+                yield f"groups {ta.KVCodec(d, None, v_bits, key_groups=groups).name} window={window} group={g} " \
+                      f"fresh={fresh}", out
+
+
 def option_cases():
     """(name, output) of the cached-attention kernels (Triton; CUDA for the 1-token steps it serves) and the
     quantize kernel with the cache options on."""
@@ -163,7 +193,8 @@ def flash_cases():
                 q, k, v, causal=True, sliding_window=600, sinks=torch.randn(16, device="cuda"), backend="triton")
 
 
-CASE_SETS = {"small": small_cases, "cuda": cuda_cases, "options": option_cases, "flash": flash_cases}
+CASE_SETS = {"small": small_cases, "cuda": cuda_cases, "options": option_cases, "groups": group_cases,
+             "flash": flash_cases}
 
 
 def run(args) -> int:
