@@ -38,22 +38,28 @@ __device__ __forceinline__ void hartley_row(float* x, const float* q) {
   }
 }
 
-// The unnormalized Walsh-Hadamard transform of a column x[p M], p < P, in place (natural order).
-template <int P, int M>
-__device__ __forceinline__ void hadamard_column(float* x) {
-  float v[P];
+// The unnormalized Walsh-Hadamard transform of N values in registers, in place (natural order).
+template <int N>
+__device__ __forceinline__ void walsh_hadamard(float (&v)[N]) {
 #pragma unroll
-  for (int i = 0; i < P; ++i) v[i] = x[i * M];
+  for (int h = 1; h < N; h <<= 1) {
 #pragma unroll
-  for (int h = 1; h < P; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
+    for (int i = 0; i < N; ++i) {
       if (i & h) continue;
       const float u = v[i], w = v[i + h];
       v[i] = u + w;
       v[i + h] = u - w;
     }
   }
+}
+
+// The unnormalized Walsh-Hadamard transform of a column x[p M], p < P, in place.
+template <int P, int M>
+__device__ __forceinline__ void hadamard_column(float* x) {
+  float v[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) v[i] = x[i * M];
+  walsh_hadamard(v);
 #pragma unroll
   for (int i = 0; i < P; ++i) x[i * M] = v[i];
 }

@@ -114,6 +114,26 @@ __device__ __forceinline__ void convert_row(const RawRow<DTYPE, PL>& raw, float 
   }
 }
 
+// (x - shift) * gain for four coordinates: the key transform, in the Triton kernel's order.
+__device__ __forceinline__ void shift_and_scale(float* x, float4 s, float4 g) {
+  x[0] = (x[0] - s.x) * g.x;
+  x[1] = (x[1] - s.y) * g.y;
+  x[2] = (x[2] - s.z) * g.z;
+  x[3] = (x[3] - s.w) * g.w;
+}
+
+// The lane's largest magnitude, and a probe that is NaN exactly when one of its values is a NaN or an infinity
+// (x * 0 is NaN only for them).
+template <int PL>
+__device__ __forceinline__ void magnitude_and_probe(const float (&x)[PL], float& amax, float& probe) {
+  amax = 0.f, probe = 0.f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    amax = fmaxf(amax, fabsf(x[i]));
+    probe = fmaf(x[i], 0.f, probe);
+  }
+}
+
 // Sum (or max, or OR) over the `lanes` consecutive lanes of a group (a power of two, aligned).
 template <int LANES>
 __device__ __forceinline__ float group_sum(float x) {
@@ -298,7 +318,9 @@ __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_ke
     }
   }
   // A NaN or infinity anywhere makes `probe` NaN (x * 0 is NaN only for them): such a vector is stored as codes 0
-  // and NaN scales, so what the arithmetic below makes of it does not matter.
+  // and NaN scales, so what the arithmetic below makes of it does not matter.  (Written out here, not through
+  // code_grouped_key's helpers, shift_and_scale and magnitude_and_probe: with them nvcc 13.0 schedules the
+  // decode-step kernels at D = 64 / 128 differently, and this code is what BENCHMARKS.md timed.)
   float amax = 0.f, probe = 0.f;
 #pragma unroll
   for (int i = 0; i < PL; ++i) {
@@ -562,23 +584,13 @@ __device__ __forceinline__ void code_grouped_key(const QuantizeParams& p, int b,
   }
   if (shift != nullptr) {  // (k - shift) * gain, in the model's order
 #pragma unroll
-    for (int i = 0; i < PL / 4; ++i) {
-      const float4 s = shift[i], g = gain[i];
-      x[4 * i] = (x[4 * i] - s.x) * g.x;
-      x[4 * i + 1] = (x[4 * i + 1] - s.y) * g.y;
-      x[4 * i + 2] = (x[4 * i + 2] - s.z) * g.z;
-      x[4 * i + 3] = (x[4 * i + 3] - s.w) * g.w;
-    }
+    for (int i = 0; i < PL / 4; ++i) shift_and_scale(x + 4 * i, shift[i], gain[i]);
   }
   __syncwarp();  // the previous key's reads of work are done
   if (p.key_order != nullptr) to_stored_order(x, work, order);
   // A NaN or infinity anywhere makes `probe` NaN; each group's largest magnitude sets its prescale.
-  float amax = 0.f, probe = 0.f;
-#pragma unroll
-  for (int i = 0; i < PL; ++i) {
-    amax = fmaxf(amax, fabsf(x[i]));
-    probe = fmaf(x[i], 0.f, probe);
-  }
+  float amax, probe;
+  magnitude_and_probe(x, amax, probe);
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1) probe += __shfl_xor_sync(0xffffffffu, probe, m);
   amax = own_group_max(amax, in_a);
