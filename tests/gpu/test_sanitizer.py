@@ -1,11 +1,11 @@
 """Every kernel under NVIDIA compute-sanitizer (pytest -m gpu; a few minutes on an H100).
 
-`turboattn bench sanitize-cases` launches small cases of every kernel: quantize-append, the Triton cached
-attention and its merge, the CUDA decode kernel at every head dim and bit pair it serves, the cache options, keys
-in channel groups on the CUDA kernels, the dense prefill kernel with its tile classification, and the dense
-split-K decode kernel with its reduction (see its docstring).  Each case set runs in its own process under memcheck (out-of-bounds and misaligned
-accesses) and racecheck (shared-memory hazards).  A run passes when the sanitizer
-reports no error and the command exits 0, which it does only if every output was finite.
+`turboattn bench sanitize-cases` launches small cases of every kernel: quantize-append, the Triton cached attention
+and its merge, the CUDA decode kernel at every head dim and bit pair it serves, the cache options, keys in channel
+groups on the CUDA kernels, the dense prefill kernel with its tile classification, and the dense split-K decode
+kernel with its reduction (see its docstring).  Each case set runs in its own process under memcheck (out-of-bounds
+and misaligned accesses) and racecheck (shared-memory hazards).  A run passes when the sanitizer reports no error
+and the command exits 0, which it does only if every output was finite.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ DECODE_CASES = [(1, 8, 128, 1, (4, 4), (0, 0)), (8, 8, 128, 1, (4, 4), (0, 0)), 
 # caches always fit one), prefill and decode steps.
 KEY_GROUP_CODES = (5, ((112, 6), (144, 4)), ((96, 6), (160, 4)))
 KEY_GROUP_PREFILL_CASES = [(1, 1, 256, t, (code, 3)) for t in (2048, 32768) for code in KEY_GROUP_CODES]
-KEY_GROUP_DECODE_CASES = [(b, hkv, 256, 1, (code, 3), (4, 8), "transform") for b, hkv in ((1, 1), (8, 1), (32, 1), (8, 8))
-                          for code in KEY_GROUP_CODES]
+KEY_GROUP_DECODE_CASES = [(b, hkv, 256, 1, (code, 3), (4, 8), "transform")
+                          for b, hkv in ((1, 1), (8, 1), (32, 1), (8, 8)) for code in KEY_GROUP_CODES]
 CASES = ("all", "key-groups")
 BACKENDS = ("auto", "triton")   # auto: the CUDA kernel where it serves (head_dim 64 / 128 / 256 / 512)
 DECODE_CAPACITY = 4096

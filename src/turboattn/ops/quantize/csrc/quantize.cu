@@ -520,11 +520,12 @@ template <int D, int PL, int DTYPE, int BITS>
 __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
                                             const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows,
                                             const ExactRows* exact) {
-  for_each_token<D, PL, DTYPE>(p, is_key, b, bh, at, rows, exact, [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
+  auto code = [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
     code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, valid, slot, raw, tab, warp_cells,
                                      rows.transform_ahead ? rows.shift : nullptr,
                                      rows.transform_ahead ? rows.gain : nullptr);
-  });
+  };
+  for_each_token<D, PL, DTYPE>(p, is_key, b, bh, at, rows, exact, code);
 }
 
 // ---- Keys in two channel groups (format/codec.py key_groups), D = 256 ----
@@ -1214,11 +1215,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
         constexpr int QA = GroupShape<GA>::M * GroupShape<GA>::M;
         const Tables tab_b{grid_b, bounds_b, centroids_b, signs, p.k2_grid_lo, p.k2_grid_scale, p.k2_grid_size};
         float* work = group_work + (threadIdx.x / 32) * D;
-        for_each_token<D, PL, DTYPE>(p, true, b, bh, at, rows, ex, [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
+        auto code = [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
           code_grouped_key<D, GA, KB, KB2, DTYPE>(p, b, bh, valid, slot, raw, tab, tab_b, hartley, hartley + QA, order,
                                                   work, warp_cells, rows.transform_ahead ? rows.shift : nullptr,
                                                   rows.transform_ahead ? rows.gain : nullptr);
-        });
+        };
+        for_each_token<D, PL, DTYPE>(p, true, b, bh, at, rows, ex, code);
         coded = true;
       }
     }
