@@ -288,7 +288,9 @@ __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_ke
                                              const RawRow<DTYPE, PL>& raw, const Tables& tab, uint8_t* warp_cells,
                                              const float4* shift_ahead = nullptr, const float4* gain_ahead = nullptr) {
   using S = QuantShape<D, PL>;
+  using PW = PlaneWidths<BITS>;
   constexpr int ROW = D * BITS / 8;
+  constexpr int P0 = D * PW::LOW / 8;
   constexpr int ROW_WORDS = ROW / 4;
   constexpr int LANE_WORDS = (ROW_WORDS + S::L - 1) / S::L;  // packed words per lane (BITS * PL / 32)
   const int lane = threadIdx.x % 32;
@@ -388,7 +390,13 @@ __device__ __forceinline__ void code_vectors(const QuantizeParams& p, bool is_ke
 #pragma unroll
   for (int w = 0; w < LANE_WORDS; ++w) {
     const int at = min(sub * LANE_WORDS + w, ROW_WORDS - 1) * 4;  // byte of the packed row (lanes past it idle)
-    words[w] = row_word<D, BITS>(cells, at);
+    // (row_word's expression, written out: through it nvcc 13.0 schedules the long-chunk kernels differently, and
+    // this code is what BENCHMARKS.md timed.)
+    if constexpr (PW::HIGH == 0) {
+      words[w] = plane_word<D, PW::LOW>(cells, at, 0);
+    } else {
+      words[w] = at < P0 ? plane_word<D, PW::LOW>(cells, at, 0) : plane_word<D, PW::HIGH>(cells, at - P0, PW::LOW);
+    }
   }
   float scale = rms;
   if (p.rule != 0) {
@@ -520,12 +528,24 @@ template <int D, int PL, int DTYPE, int BITS>
 __device__ __forceinline__ void code_tokens(const QuantizeParams& p, bool is_key, int b, int bh, const Placement& at,
                                             const Tables& tab, uint8_t* warp_cells, const Rows<DTYPE, PL>& rows,
                                             const ExactRows* exact) {
-  auto code = [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
-    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, valid, slot, raw, tab, warp_cells,
+  // for_each_token's loop, written out: through it (a lambda) nvcc 13.0 schedules these kernels differently, and
+  // this code is what BENCHMARKS.md timed.
+  using S = QuantShape<D, PL>;
+  const int tokens_per_cta = (blockDim.x / 32) * S::VECTORS;
+  const int step = gridDim.x * tokens_per_cta;
+  RawRow<DTYPE, PL> next = rows.first;
+  int t_next = rows.t_first;
+  for (int t0 = blockIdx.x * tokens_per_cta; t0 < at.n_new; t0 += step) {
+    const int t = t_next;
+    const RawRow<DTYPE, PL> raw = next;
+    t_next = t + step;
+    if (at.stored(t_next)) rows.fetch(t_next, next);
+    code_vectors<D, PL, DTYPE, BITS>(p, is_key, b, bh, at.stored(t), at.slot(t), raw, tab, warp_cells,
                                      rows.transform_ahead ? rows.shift : nullptr,
                                      rows.transform_ahead ? rows.gain : nullptr);
-  };
-  for_each_token<D, PL, DTYPE>(p, is_key, b, bh, at, rows, exact, code);
+    if (exact != nullptr && t < at.n_new)
+      write_exact_rows<D, PL, DTYPE>(p, is_key ? 0 : 1, b, bh % p.num_kv_heads, t, raw, *exact);
+  }
 }
 
 // ---- Keys in two channel groups (format/codec.py key_groups), D = 256 ----
