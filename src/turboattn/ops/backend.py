@@ -5,8 +5,8 @@ Each op's package registers its implementations in one line each
 priority=10, devices=("cuda",))`); the module is imported only when the implementation runs, so
 the PyTorch path never imports Triton.  `backend="auto"` picks the highest-priority
 implementation whose check accepts the tensors' device and head_dim (and, for a codec with keys in
-channel groups, reads those: the PyTorch and Triton paths, and the CUDA decode for the groupings it is
-built for, passing the others to Triton); naming one forces it (a head_dim or a format it does not serve is
+channel groups, reads those: the PyTorch and Triton paths, and the CUDA decode and quantize-append for the
+groupings they are built for, passing the others to Triton); naming one forces it (a head_dim or a format it does not serve is
 a ValueError, never a wrong result).
 """
 

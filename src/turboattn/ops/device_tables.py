@@ -12,8 +12,14 @@ import torch
 
 from ..format.codebook import device_centroids
 from ..format.codec import KVCodec
-from ..format.rotation import device_signs
+from ..format.rotation import device_hartley, device_signs, odd_factor
 from .backend import importable
+
+
+def key_group_hartley(key_groups: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each key group's Hartley factor as the CUDA kernels read it (float32, rounded once from float64, as
+    format/rotation.py's float32 path rounds it), group a's first; cached per device (device_hartley)."""
+    return tuple(device_hartley(odd_factor(width), device, torch.float32) for width, _ in key_groups)
 
 
 def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
@@ -23,10 +29,10 @@ def allocate_device_tables(codec: KVCodec, device: torch.device) -> None:
             allocate_device_tables(part, device)
         if importable("triton"):   # the groups' block-diagonal rotation, which the kernels' hosts apply to q
             from .cached.triton import group_rotation
-            from .quantize.cuda import CUDA_QUANTIZE_KEY_GROUPS, group_tables
+            from .quantize.cuda import CUDA_QUANTIZE_KEY_GROUPS
             group_rotation(codec.key_groups, device)
-            if (codec.head_dim, codec.key_groups) in CUDA_QUANTIZE_KEY_GROUPS:   # the CUDA append's Hartley factors
-                group_tables(codec.key_groups, device)
+            if (codec.head_dim, codec.key_groups) in CUDA_QUANTIZE_KEY_GROUPS:   # the CUDA kernels' Hartley factors
+                key_group_hartley(codec.key_groups, device)
         return
     d = codec.head_dim
     device_signs(d, device)

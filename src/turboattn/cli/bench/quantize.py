@@ -19,6 +19,7 @@ import torch
 
 from ... import KVCodec, QuantizedKVCache
 from ..args import choices
+from ..eval.methods import key_options
 from .args import add_out
 from .common import copy_bandwidth_tbs, environment, print_table, require_cuda, time_us, time_us_graph, write_results
 
@@ -60,10 +61,7 @@ def _inputs(b, hkv, d, t, device):
 
 def _codec(d: int, bits: tuple, **options) -> KVCodec:
     """bits: (k_bits or key groups, v_bits)."""
-    k_code, v_bits = bits
-    if isinstance(k_code, tuple):
-        return KVCodec(d, None, v_bits, key_groups=k_code, **options)
-    return KVCodec(d, k_code, v_bits, **options)
+    return KVCodec(d, v_bits=bits[1], **key_options(bits[0]), **options)
 
 
 def _key_transform(cache: QuantizedKVCache, device) -> None:

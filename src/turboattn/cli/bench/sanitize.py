@@ -145,8 +145,7 @@ def group_cases():
                 out = ta.cached_attention(q, cache, kf, None if kf is None else torch.randn_like(kf))
                 if fresh:
                     cache.append(kf, torch.randn_like(kf))
-                yield f"groups {ta.KVCodec(d, None, v_bits, key_groups=groups).name} window={window} group={g} " \
-                      f"fresh={fresh}", out
+                yield f"groups {cache.codec.name} window={window} group={g} fresh={fresh}", out
 
 
 def option_cases():

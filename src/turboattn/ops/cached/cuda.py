@@ -19,8 +19,9 @@ import torch
 
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
-from ...format.rotation import device_hartley, device_signs, odd_factor
+from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
+from ..device_tables import key_group_hartley
 from ..guard import device_guard
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
                      cuda_exact_parts, cuda_kernel_serves, cuda_merge_apart, plan_decode)
@@ -154,7 +155,7 @@ class _LayoutArgs:
         if groups and self.serves:
             order = layout.key_order if transform else None
             self.groups = (groups[0][0], groups[1][1], None if order is None else order.contiguous(),
-                           *(device_hartley(odd_factor(width), dev, torch.float32) for width, _ in groups))
+                           *key_group_hartley(groups, dev))
         else:
             self.groups = (0, 0, None, None, None)
         self.head = (k_codes, layout.k_scales, layout.v_codes, layout.v_scales, layout.seen, layout.starts,

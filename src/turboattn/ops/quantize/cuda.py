@@ -12,9 +12,10 @@ import torch
 
 from ...format.codec import KVCodec
 from ...format.layout import CacheLayout
-from ...format.rotation import device_hartley, device_signs, odd_factor
+from ...format.rotation import device_signs
 from ..cached.config import CUDA_KEY_GROUPS
 from ..cuda_extension import arrival_counters, capable, extension
+from ..device_tables import key_group_hartley
 from ..guard import device_guard
 from .config import boundary_grid
 from .triton import quantize_append_triton
@@ -81,10 +82,8 @@ def _tables(k_bits: int, v_bits: int, head_dim: int, device: torch.device) -> tu
 @lru_cache(maxsize=None)
 def group_tables(key_groups: tuple[tuple[int, int], ...], device: torch.device) -> tuple:
     """Keys in groups: group b's cell_grid (centroids, boundaries, grid, lo, scale) and both groups' Hartley factors
-    (float32, rounded once from float64, as format/rotation.py's float32 path), in the kernel's argument order."""
-    (width_a, _), (width_b, bits_b) = key_groups
-    return (*cell_grid(bits_b, device), *(device_hartley(odd_factor(w), device, torch.float32)
-                                          for w in (width_a, width_b)))
+    (device_tables.key_group_hartley), in the kernel's argument order."""
+    return (*cell_grid(key_groups[1][1], device), *key_group_hartley(key_groups, device))
 
 
 _NO_ROWS = (None, None)

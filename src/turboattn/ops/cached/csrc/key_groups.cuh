@@ -14,13 +14,14 @@ template <int W>
 struct GroupShape {  // a key group of W = P * M channels, M odd
   static constexpr int M = W / (W & -W);
   static constexpr int P = W / M;
+  static constexpr int HARTLEY = M * M;  // floats of its Hartley factor
   static_assert(P <= 32, "a group's butterflies run in one lane's registers: P <= 32");
 };
 
 template <int D, int GA>
 __host__ __device__ constexpr int hartley_floats() {
   if constexpr (GA == 0) return 1;
-  else return GroupShape<GA>::M * GroupShape<GA>::M + GroupShape<D - GA>::M * GroupShape<D - GA>::M;
+  else return GroupShape<GA>::HARTLEY + GroupShape<D - GA>::HARTLEY;
 }
 
 // z[c] = sum_r x[r] Q[r][c] over a row of M coordinates, in place (format/rotation.py's row-vector product).

@@ -1173,7 +1173,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
     for (int i = threadIdx.x; i < D; i += blockDim.x) copy_async<4>(signs + i, p.signs + i);
     if constexpr (GA > 0) {
       if (is_key) {
-        constexpr int QA = GroupShape<GA>::M * GroupShape<GA>::M, QB = GroupShape<D - GA>::M * GroupShape<D - GA>::M;
+        constexpr int QA = GroupShape<GA>::HARTLEY, QB = GroupShape<D - GA>::HARTLEY;
         for (int i = threadIdx.x; i < p.k2_grid_size / 16; i += blockDim.x)
           copy_async<16>(reinterpret_cast<uint4*>(grid_b) + i, reinterpret_cast<const uint4*>(p.k2_grid) + i);
         for (int i = threadIdx.x; i < (1 << KB2); i += blockDim.x) {
@@ -1232,7 +1232,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, TILES ? (D <= 128 ? 4 : 3) : 1
     bool coded = false;
     if constexpr (GA > 0) {
       if (is_key) {
-        constexpr int QA = GroupShape<GA>::M * GroupShape<GA>::M;
+        constexpr int QA = GroupShape<GA>::HARTLEY;
         const Tables tab_b{grid_b, bounds_b, centroids_b, signs, p.k2_grid_lo, p.k2_grid_scale, p.k2_grid_size};
         float* work = group_work + (threadIdx.x / 32) * D;
         auto code = [&](bool valid, int slot, const RawRow<DTYPE, PL>& raw) {
