@@ -200,13 +200,16 @@ struct CodeTable {
 __device__ __forceinline__ uint32_t low_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x5410); }
 __device__ __forceinline__ uint32_t high_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x7632); }
 
-// The low nibble of each byte from a, the high nibble from b: one lop3 (as inline PTX, so that the compiler does
-// not split it per table byte: it folded the masks into each lookup's byte, three instructions per lookup).
-__device__ __forceinline__ uint32_t select_low_nibbles(uint32_t a, uint32_t b) {
+// The bits of a under MASK, the others from b: one lop3 (as inline PTX, so that the compiler does not split it per
+// table byte: it folded the masks into each lookup's byte, three instructions per lookup).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b) {
   uint32_t r;
-  asm("lop3.b32 %0, %1, %2, 0x0F0F0F0F, 0xE4;" : "=r"(r) : "r"(a), "r"(b));  // (a & c) | (b & ~c)
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "n"(MASK));  // (a & MASK) | (b & ~MASK)
   return r;
 }
+// The low nibble of each byte from a, the high nibble from b.
+__device__ __forceinline__ uint32_t select_low_nibbles(uint32_t a, uint32_t b) { return select_bits<0x0F0F0F0Fu>(a, b); }
 
 // Table bytes of a two-plane code from a word of its low plane and the word of its high plane that holds the same
 // dims' high bits from bit high_shift on: .x from the low nibble of each low byte (fields 0 and 1 of a 2-bit plane,
@@ -262,8 +265,12 @@ struct KeyCodes {
   using Table = TABLE;
   using High = HighPlane<BITS, D>;
 
+  // 2-bit keys are looked up for both of the lane's keys at once (paired_fragment).
+  static constexpr bool PAIRED = BITS == 2;
+
   __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset,
                                                    const uint32_t (&w)[WORDS], int kk, int high_shift) {
+    static_assert(!PAIRED, "2-bit keys take paired_fragment");
     if constexpr (BLOCKED) {
       return blocked_fragment(table, lane_offset, w, kk, high_shift);
     } else if constexpr (BITS == 4) {  // byte 2kk + reg: dims j, j + D/2
@@ -276,8 +283,6 @@ struct KeyCodes {
 #pragma unroll
       for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
       return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
-    } else if constexpr (BITS == 2) {  // byte kk: dims j + k D/4, k = 0..3; register reg takes k = 2 reg, 2 reg + 1
-      return Table::lookup2(table, lane_offset, w[kk / 4], kk % 4);
     } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, the merged words holding k = 0, 1 and k = 2, 3
       const uint2 m = merge_planes<BITS>(w[kk / 4], w[LOW_WORDS + kk / 4], high_shift);
       return make_uint2(Table::lookup(table, lane_offset, m.x, kk % 4), Table::lookup(table, lane_offset, m.y, kk % 4));
@@ -308,18 +313,37 @@ struct KeyCodes {
         for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
         return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
       }
-    } else {  // LOW == 2: bytes 2m, 2m + 1 of word m / 2
+    } else {  // 3 bits: bytes 2m, 2m + 1 of the merged word of fields 0, 1 (block 0) or 2, 3 (block 1)
       const int i = (2 * m) % 4;
-      if constexpr (BITS == 2) {
-        const uint2 e0 = Table::lookup2(table, lane_offset, w[m / 2], i);
-        const uint2 e1 = Table::lookup2(table, lane_offset, w[m / 2], i + 1);
-        return b ? make_uint2(e0.y, e1.y) : make_uint2(e0.x, e1.x);
-      } else {  // 3 bits: the merged word of fields 0, 1 (block 0) or 2, 3 (block 1)
-        const uint2 mw = merge_planes<BITS>(w[m / 2], w[LOW_WORDS + m / 2], high_shift);
-        const uint32_t word = b ? mw.y : mw.x;
-        return make_uint2(Table::lookup(table, lane_offset, word, i), Table::lookup(table, lane_offset, word, i + 1));
-      }
+      const uint2 mw = merge_planes<BITS>(w[m / 2], w[LOW_WORDS + m / 2], high_shift);
+      const uint32_t word = b ? mw.y : mw.x;
+      return make_uint2(Table::lookup(table, lane_offset, word, i), Table::lookup(table, lane_offset, word, i + 1));
     }
+  }
+  // 2 bits: the A operand of k-step kk for keys g (words w) and g + 8 (w8), in the MMA's register order.  An entry
+  // is two registers of the byte's key, which the operand wants apart (key g's at 0 and 2, key g + 8's at 1 and 3):
+  // looked up per key it took 3-4 register moves per k-step (D = 256, nvcc 13.0).  So the two keys' low nibbles
+  // (fields 0 and 1) are merged into one byte, and so are their high nibbles (fields 2 and 3), one select per word
+  // each: the entry of a merged byte is registers (key g, key g + 8) of one half of the fields, an aligned pair of
+  // the operand.  Byte kk % 4 of word kk / 4 gives register 0 from the low, register 1 from the high nibbles; when
+  // BLOCKED, k-step kk = 2m + b takes bytes 2m % 4 and 2m % 4 + 1 of word kk / 4, low nibbles (block 0) or high
+  // (block 1).  The dims are KeyCodes::dim's, as for one key.
+  __device__ __forceinline__ static uint4 paired_fragment(const uint32_t* table, uint32_t lane_offset,
+                                                          const uint32_t (&w)[WORDS], const uint32_t (&w8)[WORDS],
+                                                          int kk) {
+    static_assert(PAIRED, "2-bit keys");
+    const uint32_t low = select_low_nibbles(w[kk / 4], w8[kk / 4] << 4);
+    const uint32_t high = select_low_nibbles(w[kk / 4] >> 4, w8[kk / 4]);
+    uint2 r0, r1;
+    if constexpr (BLOCKED) {
+      const int i = (kk / 2 * 2) % 4;
+      r0 = Table::lookup2(table, lane_offset, kk % 2 ? high : low, i);
+      r1 = Table::lookup2(table, lane_offset, kk % 2 ? high : low, i + 1);
+    } else {
+      r0 = Table::lookup2(table, lane_offset, low, kk % 4);
+      r1 = Table::lookup2(table, lane_offset, high, kk % 4);
+    }
+    return make_uint4(r0.x, r0.y, r1.x, r1.y);
   }
   __device__ __forceinline__ static int dim(int c, int kk, int reg, int h) {
     if constexpr (BLOCKED && P::LOW == 4) return c * LANE_BYTES + 4 * (kk / 2) + 2 * reg + h + (kk % 2) * (D / 2);
@@ -375,6 +399,36 @@ struct ValueCodes {
                           Table::lookup(table, lane_offset, k23, i), Table::lookup(table, lane_offset, k23, i + 1));
       }
     }
+    if constexpr (P::LOW == 2 && !TILE_BLOCKS) {
+      // 2 and 3 bits (D <= 256): keys j and j + 1 (j = 0, 2) merged field by field into one byte, whose lookup is a
+      // register of the operand (or a pair of them), where looking each key up took a byte-permute per register.
+      const int word = t / 8, i = (t / 2) % 4;
+      if constexpr (BITS == 2) {
+        // Fields k and k + 2 (k = t % 2) of both keys, (j, j + 1, j, j + 1): the 8-byte entry holds the registers
+        // of rows g (field k) and g + 8 (field k + 2), one select per word and k (ValueCodes::dim).
+        auto merged = [&](int j) {
+          return t % 2 ? select_bits<0x33333333u>(w[j][word] >> 2, w[j + 1][word])
+                       : select_bits<0x33333333u>(w[j][word], w[j + 1][word] << 2);
+        };
+        const uint2 keys01 = Table::lookup2(table, lane_offset, merged(0), i);
+        const uint2 keys23 = Table::lookup2(table, lane_offset, merged(2), i);
+        return make_uint4(keys01.x, keys01.y, keys23.x, keys23.y);
+      } else {
+        // 3 bits: merge_planes gives each key's bytes fields a (bits 0, 1, 4: row g) and b (2, 3, 6: row g + 8);
+        // a byte of key j's a field and key j + 1's (or both b fields) looks up the register of that row.
+        uint32_t m[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 mw = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word], high_shift);
+          m[j] = t % 2 ? mw.y : mw.x;
+        }
+        auto row = [&](int j, int h) {
+          return h ? select_bits<0x13131313u>(m[j] >> 2, m[j + 1]) : select_bits<0x13131313u>(m[j], m[j + 1] << 2);
+        };
+        return make_uint4(Table::lookup(table, lane_offset, row(0, 0), i), Table::lookup(table, lane_offset, row(0, 1), i),
+                          Table::lookup(table, lane_offset, row(2, 0), i), Table::lookup(table, lane_offset, row(2, 1), i));
+      }
+    }
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
     if constexpr (BLOCKED) {  // 5, 6 bits: the merged word of block t % 2
       const int i = (2 * (t / 2)) % 4, word = t / 4;
@@ -389,13 +443,13 @@ struct ValueCodes {
       for (int j = 0; j < 4; ++j)
         x[j] = low_halves(Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2)),
                           Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2) + 1));
-    } else if constexpr (BITS == 2) {  // byte t / 2: dims j + k D/4; tile t takes k = 2 (t % 2), 2 (t % 2) + 1
+    } else if constexpr (BITS == 2) {  // D = 512: byte t / 2, dims j + k D/4; tile t takes k = 2 (t % 2), 2 (t % 2) + 1
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint2 e = Table::lookup2(table, lane_offset, w[j][t / 8], (t / 2) % 4);
         x[j] = t % 2 ? e.y : e.x;
       }
-    } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, from the merged word holding k = 2 (t % 2), +1
+    } else if constexpr (P::LOW == 2) {  // 3 bits, D = 512: as 2 bits, from the merged word holding k = 2 (t % 2), +1
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint2 m = merge_planes<BITS>(w[j][t / 8], w[j][LOW_WORDS + t / 8], high_shift);
@@ -415,6 +469,7 @@ struct ValueCodes {
     if constexpr (BLOCKED) return g * LANE_BYTES + 2 * (t / 2) + h + (t % 2) * (D / 2);
     else if constexpr (P::LOW == 4) return g * LANE_BYTES + t + h * (D / 2);
     else if constexpr (P::LOW == 8) return g * LANE_BYTES + 2 * t + h;
+    else if constexpr (BITS == 2 && !TILE_BLOCKS) return g * LANE_BYTES + t / 2 + (t % 2 + 2 * h) * (D / 4);
     else return g * LANE_BYTES + t / 2 + (2 * (t % 2) + h) * (D / 4);
   }
 };
@@ -500,6 +555,7 @@ struct KeyGroups {
   static_assert(A::ROW_BYTES % 4 == 0, "group b's bytes start on a 4-byte boundary");
   // q is rotated in the set-up unnormalized, and scaled by one 1 / sqrt(P) (key_groups.cuh).
   static_assert(GroupShape<GA>::P == GroupShape<D - GA>::P, "both groups' rotations of one power-of-two size");
+  static constexpr bool PAIRED = false;  // 4 to 8 bits: one key's lookups give its registers
 
   __device__ __forceinline__ static void build(uint32_t* table) {
     A::Table::build(table);
@@ -518,6 +574,20 @@ struct KeyGroups {
     return kk < A_STEPS ? A::dim(c, kk, reg, h) : GA + B::dim(c, kk - A_STEPS, reg, h);
   }
 };
+
+// The A operand of score k-step kk (keys g and g + 8 of the lane, their words w and w8), in the MMA's register
+// order: paired lookups for 2-bit keys, else each key's two registers.
+template <class K>
+__device__ __forceinline__ uint4 key_fragments(const uint32_t* table, uint32_t lane_offset, const uint32_t (&w)[K::WORDS],
+                                               const uint32_t (&w8)[K::WORDS], int kk, int high_shift) {
+  if constexpr (K::PAIRED) {
+    return K::paired_fragment(table, lane_offset, w, w8, kk);
+  } else {
+    const uint2 a0 = K::fragment(table, lane_offset, w, kk, high_shift);
+    const uint2 a1 = K::fragment(table, lane_offset, w8, kk, high_shift);
+    return make_uint4(a0.x, a1.x, a0.y, a1.y);
+  }
+}
 
 // D = 512 splits each row's dims over the warps (SLICES = WARPS): a warp's output accumulators are then D / 4 dims'
 // (32 registers, as at D = 128) instead of D's (128 registers at D = 512), at the price of a shared-memory sum of
@@ -1749,11 +1819,10 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) {
-      const uint2 a0 = S::K::fragment(k_table, k_lane, cur.kw[0], kk, k_shift);  // key g
-      const uint2 a1 = S::K::fragment(k_table, k_lane, cur.kw[1], kk, k_shift);  // key g + 8
+      const uint4 a = key_fragments<typename S::K>(k_table, k_lane, cur.kw[0], cur.kw[1], kk, k_shift);
       const uint2 qf = S::Q_IN_SMEM ? q_frag[kk * 32 + lane] : qb[S::Q_IN_SMEM ? 0 : kk];
       float(&chain)[4] = (S::GROUPED ? kk >= key_group_steps<S>() : kk % 2) ? s_odd : s;
-      mma_16816(chain, a0.x, a1.x, a0.y, a1.y, qf.x, qf.y);
+      mma_16816(chain, a.x, a.y, a.z, a.w, qf.x, qf.y);
     }
     // s[2n + e]: key g + 8n, row 2c + e.  Scale (each block's part by its scale), then sum the warps' parts.
 #pragma unroll
