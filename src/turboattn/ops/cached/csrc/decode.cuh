@@ -13,9 +13,10 @@
 //     follow it.
 //   * output O^T = V^T P^T: P^T leaves the score accumulators in the A/C layout and one movmatrix.trans per 8 keys
 //     puts it in the B layout; the A operand (16 dims x 16 keys) of lane (g, c) holds keys 2c, 2c+1, 2c+8, 2c+9 at
-//     rows g and g + 8 of a 16-dim tile; a lane takes an eighth of those keys' code bytes (bytes g ...), and
-//     byte-permutes pair two keys' centroids per register.  ValueCodes<BITS>::dim says which dims tile t holds;
-//     output dims are un-permuted on store.
+//     rows g and g + 8 of a 16-dim tile; a lane takes an eighth of those keys' code bytes (bytes g ...), and a
+//     register pairs two keys' centroids of one dim: 4-bit codes, and 2 and 3-bit codes at D <= 256, merge the two
+//     keys' fields into one byte first, whose lookup is the register; the others byte-permute two lookups.
+//     ValueCodes<BITS>::dim says which dims tile t holds; output dims are un-permuted on store.
 // Centroids come from byte -> fp16 tables in shared memory (CodeTable), a copy per lane or per lane pair (no bank
 // conflicts); a lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit
 // planes); codes of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: one select per
