@@ -210,7 +210,9 @@ __device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b) {
   return r;
 }
 // The low nibble of each byte from a, the high nibble from b.
-__device__ __forceinline__ uint32_t select_low_nibbles(uint32_t a, uint32_t b) { return select_bits<0x0F0F0F0Fu>(a, b); }
+__device__ __forceinline__ uint32_t select_low_nibbles(uint32_t a, uint32_t b) {
+  return select_bits<0x0F0F0F0Fu>(a, b);
+}
 
 // Table bytes of a two-plane code from a word of its low plane and the word of its high plane that holds the same
 // dims' high bits from bit high_shift on: .x from the low nibble of each low byte (fields 0 and 1 of a 2-bit plane,
@@ -426,8 +428,8 @@ struct ValueCodes {
         auto row = [&](int j, int h) {
           return h ? select_bits<0x13131313u>(m[j] >> 2, m[j + 1]) : select_bits<0x13131313u>(m[j], m[j + 1] << 2);
         };
-        return make_uint4(Table::lookup(table, lane_offset, row(0, 0), i), Table::lookup(table, lane_offset, row(0, 1), i),
-                          Table::lookup(table, lane_offset, row(2, 0), i), Table::lookup(table, lane_offset, row(2, 1), i));
+        auto look = [&](int j, int h) { return Table::lookup(table, lane_offset, row(j, h), i); };
+        return make_uint4(look(0, 0), look(0, 1), look(2, 0), look(2, 1));
       }
     }
     uint32_t x[4];  // key j's half2 (row g, row g + 8)
@@ -444,7 +446,7 @@ struct ValueCodes {
       for (int j = 0; j < 4; ++j)
         x[j] = low_halves(Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2)),
                           Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2) + 1));
-    } else if constexpr (BITS == 2) {  // D = 512: byte t / 2, dims j + k D/4; tile t takes k = 2 (t % 2), 2 (t % 2) + 1
+    } else if constexpr (BITS == 2) {  // D = 512: byte t / 2, dims j + k D/4; tile t takes k = 2 (t % 2), +1
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint2 e = Table::lookup2(table, lane_offset, w[j][t / 8], (t / 2) % 4);
@@ -579,8 +581,9 @@ struct KeyGroups {
 // The A operand of score k-step kk (keys g and g + 8 of the lane, their words w and w8), in the MMA's register
 // order: paired lookups for 2-bit keys, else each key's two registers.
 template <class K>
-__device__ __forceinline__ uint4 key_fragments(const uint32_t* table, uint32_t lane_offset, const uint32_t (&w)[K::WORDS],
-                                               const uint32_t (&w8)[K::WORDS], int kk, int high_shift) {
+__device__ __forceinline__ uint4 key_fragments(const uint32_t* table, uint32_t lane_offset,
+                                               const uint32_t (&w)[K::WORDS], const uint32_t (&w8)[K::WORDS], int kk,
+                                               int high_shift) {
   if constexpr (K::PAIRED) {
     return K::paired_fragment(table, lane_offset, w, w8, kk);
   } else {
