@@ -625,8 +625,8 @@ struct Shape {
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
   // q fragments (2 registers per k-step) go to shared memory where registers would crowd out the accumulators:
-  // at D = 256, unless the codes are narrow (KB + VB <= Q_REGISTER_BITS), whose tiles leave the room (k2v2 192 ->
-  // 234 registers, k3v3 242 -> 254, no spill: 2-7% faster than reading them from shared memory in every tile).
+  // at D = 256, unless the codes are narrow (KB + VB <= Q_REGISTER_BITS), whose tiles leave the room (k2v2 194 ->
+  // 224 registers, k3v3 242 -> 254, no spill: 2-7% faster than reading them from shared memory in every tile).
   static constexpr bool Q_IN_SMEM = K_STEPS >= 16 && (GROUPED || KB + VB > Q_REGISTER_BITS);
   // One shared copy of the q fragments serves every warp only when the warps share their dims (not sliced).
   static_assert(!(Q_IN_SMEM && SLICED), "sliced warps hold different q fragments");
