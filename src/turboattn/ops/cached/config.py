@@ -51,6 +51,9 @@ CUDA_BIT_PAIRS = frozenset({(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (4, 3), (4, 
 CUDA_KEY_GROUPS = frozenset({(256, ((112, 6), (144, 4)), 3), (256, ((96, 6), (160, 4)), 3)})
 CUDA_MAX_ROWS = 8
 CUDA_MAX_PARTS = 1024
+# q fragments stay in registers at head_dim 256 for pairs of at most this many bits in all (csrc/decode.cuh:
+# Q_REGISTER_BITS); wider pairs keep them in shared memory, which the residency counts.
+CUDA_Q_REGISTER_BITS = 6
 CUDA_MIN_KEYS_PER_SPLIT = 256
 CUDA_MAX_SPLITS = 128
 CUDA_MAX_SPLITS_D64 = 64   # D = 64: 128 measured 3% slower (one sequence x 1 KV head at 32K, H100)
@@ -180,15 +183,14 @@ def cuda_kernel_serves(head_dim: int, k_bits: int | tuple, v_bits: int, query_ro
 def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: bool = False) -> int:
     """CTAs per SM the CUDA kernel of this shape (k_bits: bits or key groups, as cuda_kernel_serves) is built for
     (exact: the build for caches with exact rows): ctas_per_sm in csrc/decode.cuh, which is the truth (its launch
-    bound); a GPU test checks that the two agree.  Shared memory,
-    out of 228 KB: the byte -> fp16 tables (one per distinct bit width; 32 columns of 4-byte entries, of 8-byte
-    entries for 2 bits, 16 of them where the 2-bit table is one of two or at head_dim 64; 256 rows, 96 for 3 bits,
-    2^bits for 5 and 6), at least the 32 KB the same space holds after the main loop, the static arrays (with the
-    q fragments at D = 256 unless k_bits + v_bits <= 6) and 1 KB reserved.  D = 512 splits each row's dims over the
-    4 warps ("sliced"): no per-warp outputs to combine, q fragments in registers, 4 KB of partial scores.
-    Registers: 4 CTAs (128 per thread) for k4v4 at D <= 128, for equal widths of at most 4 bits at D = 64 and for
-    every pair of the exact-row build at D = 64, 3 for other pairs and at D = 512, 2 at D = 256 (why: decode.cuh;
-    BENCHMARKS.md)."""
+    bound); a GPU test checks that the two agree. Shared memory, out of 228 KB: the byte -> fp16 tables (one per
+    distinct bit width; 32 columns of 4-byte entries, of 8-byte entries for 2 bits, 16 of them where the 2-bit
+    table is one of two or at head_dim 64; 256 rows, 96 for 3 bits, 2^bits for 5 and 6), at least the 32 KB the
+    same space holds after the main loop, the static arrays (with the q fragments at D = 256 unless k_bits +
+    v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
+    no per-warp outputs to combine, q fragments in registers, 4 KB of partial scores. Registers: 4 CTAs (128 per
+    thread) for k4v4 at D <= 128, for equal widths of at most 4 bits at D = 64 and for every pair of the exact-row
+    build at D = 64, 3 for other pairs and at D = 512, 2 at D = 256 (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and head_dim != 64 else 128)
@@ -198,7 +200,7 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     else:
         tables = table(k_bits) + (0 if k_bits == v_bits else table(v_bits))
     scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
-    q_in_smem = head_dim == 256 and (isinstance(k_bits, tuple) or k_bits + v_bits > 6)   # Shape::Q_IN_SMEM
+    q_in_smem = head_dim == 256 and (isinstance(k_bits, tuple) or k_bits + v_bits > CUDA_Q_REGISTER_BITS)
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if q_in_smem else 0) + 2048
               + (2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
     by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)

@@ -605,7 +605,7 @@ struct KTableWords { static constexpr int value = KTable::WORDS; };
 template <class K, class KTable>
 struct KTableWords<true, K, KTable> { static constexpr int value = K::TABLE_WORDS; };
 
-constexpr int Q_REGISTER_BITS = 6;  // Shape::Q_IN_SMEM
+constexpr int Q_REGISTER_BITS = 6;  // Shape::Q_IN_SMEM (ops/cached/config.py: CUDA_Q_REGISTER_BITS)
 
 // GA > 0: keys in two channel groups (KeyGroups: GA channels at KB bits, D - GA at KB2).
 template <int D, int KB, int VB, int GA = 0, int KB2 = 0>
