@@ -14,9 +14,10 @@ output is not finite, so a run also fails on a silent wrong result.
            a 12-token question, then one-token steps, with and without a fitted key
            transform, at k4v3, k4v4, k8v8 and k5v3 (the configuration that once read
            shared memory out of bounds, BENCHMARKS.md).
-  cuda     the CUDA decode kernel: k4v4, k8v8, k4v3 and k5v3 at D 64 / 128 / 256, and k2v2, k4v2, k8v4,
+  cuda     the CUDA decode kernel: k4v4, k8v8, k4v3 and k5v3 at D 64 / 128 / 256 / 512, and k2v2, k4v2, k8v4,
            k2v8, k3v3, k6v6 at D 128 (one-token steps, 1-8 query rows per KV head), a ring cache that has wrapped,
-           fresh tokens in the launch, sinks and softcap, ragged lengths and a sequence of one token.
+           fresh tokens in the launch, sinks and softcap, ragged lengths and a sequence of one token; 32 splits
+           merged by the second launch.
   options  the cache options: exact recent window, exact first tokens, bfloat16 scales, a
            static cache, and head dims that are not powers of two (80, 96); the 3-token steps
            (12 query rows per KV head) run the Triton kernel, the 1-token steps the CUDA kernel
@@ -106,7 +107,7 @@ def cuda_cases():
     # Every head dim: one-plane and two-plane codes (3, 5 bits: the high plane's slice per lane); D = 128 adds
     # the other widths' pairs.
     pairs = ((4, 4), (8, 8), (4, 3), (5, 3), (2, 2), (4, 2), (8, 4), (2, 8), (3, 3), (6, 6))
-    for d in (64, 128, 256):
+    for d in (64, 128, 256, 512):
         for bits in pairs if d == 128 else pairs[:4]:
             for window in (None, 96):
                 cache = ta.QuantizedKVCache(ta.KVCodec(d, *bits), 3, 2, capacity=None if window else 400,
@@ -117,10 +118,13 @@ def cuda_cases():
                     q = _bf16(3, 2 * g, 1, d)
                     assert cuda.supports(q, cache.codec, 2), "the case must reach the CUDA kernel"
                     kf = _bf16(3, 2, 1, d) if fresh else None
-                    out = ta.cached_attention(q, cache, kf, None if kf is None else torch.randn_like(kf),
-                                              sinks=torch.randn(2 * g, device="cuda"),
-                                              softcap=30.0 if fresh else None)
+                    vf = None if kf is None else torch.randn_like(kf)
+                    sinks = torch.randn(2 * g, device="cuda")
+                    out = ta.cached_attention(q, cache, kf, vf, sinks=sinks, softcap=30.0 if fresh else None)
                     yield f"cuda D={d} k{bits[0]}v{bits[1]} window={window} group={g} fresh={fresh}", out
+                    if g == 8:   # 32 parts of 8 rows: merged by a launch of their own (cuda_merge_apart), some empty
+                        out = ta.cached_attention(q, cache, kf, vf, sinks=sinks, num_splits=32)
+                        yield f"cuda D={d} k{bits[0]}v{bits[1]} window={window} merge apart", out
 
 
 def group_cases():
