@@ -91,6 +91,8 @@ OPTION_CASES = [
     (64, (4, 3), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
     (256, (5, 3), torch.bfloat16, dict(exact_recent=8, exact_first=4), 0),
     (128, (6, 6), torch.bfloat16, dict(exact_recent=32), 4),
+    # k2v2's exact-row build at D = 128: its compact table on 4 CTAs per SM.
+    (128, (2, 2), torch.bfloat16, dict(exact_recent=32, exact_first=4), 1),
     # D = 512: the exact part's threads take two pairs of dims each.
     (512, (4, 4), torch.bfloat16, dict(exact_recent=64, exact_first=4), 1),
     (512, (4, 3), torch.float32, dict(exact_recent=24), 7),

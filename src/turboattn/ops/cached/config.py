@@ -185,15 +185,15 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     (exact: the build for caches with exact rows): ctas_per_sm in csrc/decode.cuh, which is the truth (its launch
     bound); a GPU test checks that the two agree. Shared memory, out of 228 KB: the byte -> fp16 tables (one per
     distinct bit width; 32 columns of 4-byte entries, of 8-byte entries for 2 bits, 16 of them where the 2-bit
-    table is one of two or at head_dim 64; 256 rows, 96 for 3 bits, 2^bits for 5 and 6), at least the 32 KB the
+    table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits for 5 and 6), at least the 32 KB the
     same space holds after the main loop, the static arrays (with the q fragments at D = 256 unless k_bits +
     v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
     no per-warp outputs to combine, q fragments in registers, 4 KB of partial scores. Registers: 4 CTAs (128 per
-    thread) for k4v4 at D <= 128, for equal widths of at most 4 bits at D = 64 and for every pair of the exact-row
-    build at D = 64, 3 for other pairs and at D = 512, 2 at D = 256 (why: decode.cuh; BENCHMARKS.md)."""
+    thread) for k4v4 and k2v2 at D <= 128, for equal widths of at most 4 bits at D = 64 and for every pair of the
+    exact-row build at D = 64, 3 for other pairs and at D = 512, 2 at D = 256 (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
-        return rows * (256 if bits == 2 and k_bits == v_bits and head_dim != 64 else 128)
+        return rows * (256 if bits == 2 and k_bits == v_bits and head_dim > 128 else 128)
     sliced = head_dim >= 512
     if isinstance(k_bits, tuple):   # key groups: a table per distinct group width of codes, and V's own
         tables = sum(table(bits) for bits in {bits for _, bits in k_bits}) + table(v_bits)
@@ -209,8 +209,9 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     elif head_dim == 512:
         by_regs = 3
     else:
-        by_regs = 4 if ((k_bits, v_bits) == (4, 4) or (head_dim == 64 and k_bits == v_bits and k_bits <= 4)
-                        or (exact and head_dim == 64)) else 3
+        four = ((k_bits, v_bits) in ((4, 4), (2, 2)) or (head_dim == 64 and k_bits == v_bits and k_bits <= 4)
+                or (exact and head_dim == 64))
+        by_regs = 4 if four else 3
     return min(by_smem, by_regs)
 
 

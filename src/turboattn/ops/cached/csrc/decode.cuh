@@ -96,9 +96,9 @@ struct Planes {
 // below ROWS, and lane l reads column l % COLUMNS.  One column per lane (32), except COMPACT 2-bit tables: an 8-byte
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
 // to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 4-15%
-// faster at D <= 128, H100) and k2v2 at D = 64 (4 CTAs instead of 3: 7% faster).  k2v2's one table keeps 32 columns
-// at D >= 128: compact, it measured 2-3% slower at equal residency (the lookups' shifts) and no faster on one more
-// CTA (D = 128: 6% slower at B=8, 5% faster at B=32; D = 256: 4% slower).  An entry
+// faster at D <= 128, H100) and k2v2 at D <= 128 (4 CTAs instead of 3: 7% faster at D = 64; at D = 128, since the
+// lane pointers are pinned, 127 registers and 2-30% faster).  k2v2's one table keeps 32 columns at D = 256: compact,
+// it measured 4% slower on 2 CTAs, and 11% slower on 3 with q's fragments in shared memory.  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
@@ -617,9 +617,9 @@ struct Shape {
   static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
   static constexpr int KNB = GROUPED ? 2 : NB;       // K scales per token: one per group when grouped
   static_assert(NB == 1 || SLICED, "two norm blocks are read by the sliced kernel");
-  // A 2-bit table is compact beside a second table and at D = 64 (CodeTable).
-  using KTable = CodeTable<KB, KB != VB || D == 64>;
-  using VTable = CodeTable<VB, KB != VB || D == 64 || GROUPED>;
+  // A 2-bit table is compact beside a second table and at D <= 128 (CodeTable).
+  using KTable = CodeTable<KB, KB != VB || D <= 128>;
+  using VTable = CodeTable<VB, KB != VB || D <= 128 || GROUPED>;
   using K = std::conditional_t<GROUPED, KeyGroups<D, GA, KB, KB2>, KeyCodes<KB, D, SLICES, KTable>>;
   using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
@@ -1262,14 +1262,16 @@ constexpr int ctas_per_sm() {
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
   // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal
-  // widths of at most 4 bits at D = 64 (k2v2's compact table there); k3v3 at D = 128 spilled 56 bytes at
+  // widths of at most 4 bits at D = 64 and k2v2 at D = 128 (their compact 2-bit table: 2-30% faster than 3 CTAs
+  // with the full one at D = 128, H100); k3v3 at D = 128 spilled 56 bytes at
   // 4 and runs 3-6% faster at 3.  At D = 64 the kernels for caches with exact rows take 4 for every
   // pair (no main loop spills at 128): the room lets the exact CTAs share the splits' wave (default preset, B=8:
   // 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4 than at 3.  Sliced D = 512
   // takes 3: at 4 its k4v4 spilled 124 bytes in the main loop, at 3 it runs 14-19% faster.  Other pairs take 3,
   // D = 256 2.
-  constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3
-                          : (KB == 4 && VB == 4) || (D == 64 && KB == VB && KB <= 4) || (EXACT && D == 64) ? 4 : 3;
+  constexpr bool four = (KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
+                        (EXACT && D == 64);
+  constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3 : four ? 4 : 3;
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
