@@ -98,7 +98,7 @@ struct Planes {
 // to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 4-15%
 // faster at D <= 128, H100) and k2v2 at D <= 128 (4 CTAs instead of 3: 7% faster at D = 64; at D = 128, since the
 // lane pointers are pinned, 127 registers and 2-30% faster).  k2v2's one table keeps 32 columns at D = 256: compact,
-// it measured 4% slower on 2 CTAs, and 11% slower on 3 with q's fragments in shared memory.  An entry
+// it measured 4% slower on 2 CTAs and up to 16% slower on 3 (q's fragments in shared memory or registers).  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
 //   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
