@@ -1261,14 +1261,13 @@ constexpr int ctas_per_sm() {
                                (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
-  // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal
-  // widths of at most 4 bits at D = 64 and k2v2 at D = 128 (their compact 2-bit table: 2-30% faster than 3 CTAs
-  // with the full one at D = 128, H100); k3v3 at D = 128 spilled 56 bytes at
-  // 4 and runs 3-6% faster at 3.  At D = 64 the kernels for caches with exact rows take 4 for every
-  // pair (no main loop spills at 128): the room lets the exact CTAs share the splits' wave (default preset, B=8:
-  // 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4 than at 3.  Sliced D = 512
-  // takes 3: at 4 its k4v4 spilled 124 bytes in the main loop, at 3 it runs 14-19% faster.  Other pairs take 3,
-  // D = 256 2.
+  // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal widths
+  // of at most 4 bits at D = 64 and k2v2 at D = 128 (their compact 2-bit table: 2-30% faster than 3 CTAs with the
+  // full one at D = 128, H100); k3v3 at D = 128 spilled 56 bytes at 4 and runs 3-6% faster at 3.  At D = 64 the
+  // kernels for caches with exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact
+  // CTAs share the splits' wave (default preset, B=8: 12-14% faster), while the plain kernels of the other pairs ran
+  // up to 7% slower at 4 than at 3.  Sliced D = 512 takes 3: at 4 its k4v4 spilled 124 bytes in the main loop, at 3
+  // it runs 14-19% faster.  Other pairs take 3, D = 256 2.
   constexpr bool four = (KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
                         (EXACT && D == 64);
   constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3 : four ? 4 : 3;
