@@ -26,26 +26,36 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 # -- expected round-trip error --------------------------------------------------------------------
 
-def sphere_marginal_mse(bits: int, block: int) -> float:
-    """Exact relative MSE of the "rms" rule on isotropic Gaussian vectors.
-
-    A block y of L Gaussian coordinates is rms(y) * u with u = sqrt(L) * (a uniform
-    point of the unit sphere), independent of rms(y).  So the relative MSE is
-    E[(c(u_1) - u_1)^2] under the marginal density of one coordinate of u,
+def sphere_marginal_nodes(block: int, edges: np.ndarray):
+    """Gauss–Legendre nodes u and weights w, interval by interval ([edges[i], edges[i+1]], rows), of the
+    marginal density of one coordinate of u = sqrt(L) * (a uniform point of the unit sphere), L = block:
     f(u) = Gamma(L/2) / (Gamma((L-1)/2) sqrt(pi L)) * (1 - u^2/L)^((L-3)/2), |u| < sqrt(L),
-    which has lighter tails than N(0,1): at L = 64 the MSE is ~3% below the codebook's.
-    Integrated per cell with Gauss–Legendre quadrature (smooth integrand inside a cell).
-    """
-    c = codebook.centroids(bits, torch.float64).numpy()
-    radius = math.sqrt(block)
-    edges = np.concatenate([[-radius], 0.5 * (c[1:] + c[:-1]), [radius]])
+    which has lighter tails than N(0,1).  A block y of L Gaussian coordinates is rms(y) * u with u so
+    distributed and independent of rms(y).  Exact for the smooth integrands used on each interval."""
     nodes, weights = np.polynomial.legendre.leggauss(100)
     log_norm = math.lgamma(block / 2) - math.lgamma((block - 1) / 2) - 0.5 * math.log(math.pi * block)
     lo, hi = edges[:-1, None], edges[1:, None]
     u = 0.5 * (hi - lo) * nodes + 0.5 * (hi + lo)
     w = 0.5 * (hi - lo) * weights * np.exp(log_norm + 0.5 * (block - 3) * np.log1p(-u * u / block))
+    return u, w
+
+
+def sphere_marginal_mse(bits: int, block: int) -> float:
+    """Exact relative MSE of the "rms" rule on isotropic Gaussian vectors: E[(c(u) - u)^2] under the sphere
+    marginal (at L = 64 ~3.5% below the codebook's N(0,1) MSE), integrated cell by cell."""
+    c = codebook.centroids(bits, torch.float64).numpy()
+    radius = math.sqrt(block)
+    u, w = sphere_marginal_nodes(block, np.concatenate([[-radius], 0.5 * (c[1:] + c[:-1]), [radius]]))
     assert abs(w.sum() - 1) < 1e-12
     return float((w * (c[:, None] - u) ** 2).sum())
+
+
+def saturated_per_sample(bits: int, block: int) -> float:
+    """Expected count, among COORDS sphere-marginal coordinates, of those beyond the outer centroids: each is
+    coded at the outer centroid, with an error up to ~10^4 times the mean one at 8 bits."""
+    c_max = float(codebook.centroids(bits, torch.float64)[-1])
+    _, w = sphere_marginal_nodes(block, np.array([c_max, math.sqrt(block)]))
+    return COORDS * 2 * float(w.sum())
 
 
 def relative_mse(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
@@ -61,14 +71,42 @@ def round_trip(codec: ta.KVCodec, x: torch.Tensor, kind: str = "k") -> torch.Ten
     return codec.dequantize(codec.quantize(x, kind), kind)
 
 
-# 2**20 coordinates per case: the relative standard error of the estimate is then ~0.2-0.3%
-# (rare saturated outliers at 8 bits fatten it), so the codebook-MSE band (+-5%) stays >= 5 SE
-# from the prediction, which sits within 3.5% of the codebook MSE (D=64) and 2% (D >= 128).
+def rotated_blocks(codec: ta.KVCodec, x: torch.Tensor) -> torch.Tensor:
+    """y = R x in float64, [..., num_blocks, block_size]."""
+    return rotation.rotate(x.double()).reshape(*x.shape[:-1], codec.num_blocks, codec.block_size)
+
+
+def defined_row_errors(codec: ta.KVCodec, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """||x_hat - x||^2 per row as the scale rule defines it for cells idx, in float64 from y = R x, with c the
+    cells' centroids: rms: sum (rms(y) c - y)^2; lsq: |y|^2 sin^2(theta); corrected: 2 |y|^2 (1 - cos theta),
+    theta the angle between y and c (per norm block, summed)."""
+    y = rotated_blocks(codec, x)
+    c = codebook.centroids(codec.k_bits, torch.float64)[idx].reshape(y.shape)
+    yy, cc, yc = y.pow(2).sum(-1), c.pow(2).sum(-1), (y * c).sum(-1)
+    if codec.scale_rule == "rms":
+        err = (c * y.pow(2).mean(-1, keepdim=True).sqrt() - y).pow(2).sum(-1)
+    elif codec.scale_rule == "lsq":
+        err = yy - yc * yc / cc
+    else:
+        err = 2 * yy * (1 - yc / (yy * cc).sqrt())
+    return err.sum(-1)
+
+
+# 2**20 coordinates per case: the relative standard error of the estimate is then ~0.2-0.5%, so the
+# codebook-MSE band (+-5%) stays >= 5 SE from the prediction, which sits within 3.5% of the codebook
+# MSE (D=64) and 2% (D >= 128).  That needs the sample SE to see the rare large errors of saturated
+# coordinates (beyond the outer centroids), i.e. a sample holding many of them: >= 50 on average keeps
+# 2-6 bits (6 bits: 89 at D=64, 161 at D=256; 3000 seeds each at D=64, 5 and 6 bits: |z| <= 4.5).
+# At 8 bits a sample holds 0.6-3, each up to ~10^4 times the mean error: the estimate is a few rare
+# events plus the rest and its sample SE says nothing of them (4000 seeds at D=256: z down to -5.6,
+# up to +4.8% off the codebook MSE; one CI run +6.4%), so no band is sound.  There
+# test_round_trip_error_is_the_rules_definition_row_by_row stands in: exact per row, at every width.
 COORDS = 2**20
+SAMPLED_MSE_CASES = [(d, bits) for d in DIMS + MSE_OTHER_DIMS for bits in SUPPORTED_BITS
+                     if saturated_per_sample(bits, ta.KVCodec(d).block_size) >= 50]
 
 
-@pytest.mark.parametrize("d", DIMS + MSE_OTHER_DIMS)
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("d,bits", SAMPLED_MSE_CASES)
 def test_rms_rule_round_trip_mse(d, bits, gen):
     codec = ta.KVCodec(d, bits, bits, scale_rule="rms")
     x = torch.randn(COORDS // d, d, generator=gen)
@@ -78,14 +116,64 @@ def test_rms_rule_round_trip_mse(d, bits, gen):
     assert measured == pytest.approx(codebook.expected_mse(bits), rel=0.05)
 
 
-@pytest.mark.parametrize("d", DIMS + MSE_OTHER_DIMS)
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_predicted_mse_within_3_5_percent_below_the_codebook(bits):
+    """The prediction the sampled tests check, for every norm block a head dim of DIMS + MSE_OTHER_DIMS has:
+    below the codebook's N(0,1) MSE (the sphere marginal's lighter tails) by at most 3.5%, closer as the block
+    grows (the marginal tends to N(0,1))."""
+    blocks = sorted({ta.KVCodec(d).block_size for d in DIMS + MSE_OTHER_DIMS})
+    ratios = [sphere_marginal_mse(bits, block) / codebook.expected_mse(bits) for block in blocks]
+    assert all(0.965 <= r < 1 for r in ratios), ratios
+    assert ratios == sorted(ratios)
+
+
+@pytest.mark.parametrize("d", ALL_DIMS)
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("rule", SCALE_RULES)
+def test_round_trip_error_is_the_rules_definition_row_by_row(d, bits, rule, gen):
+    """Quantize + dequantize, per row, give the error the rule defines, up to float32 rounding; with it the
+    expected MSE is the sphere-marginal integral at every width, 8 bits included.
+    Cells: each coordinate of a block's u = y / rms(y) in its nearest centroid's cell (Lloyd–Max cells are
+    nearest-centroid cells), computed in float64.  The codec rotates in float32, which moves u by at most
+    eta = 32 * 2**-24 * sqrt(L) (log2(D) stages, each off by ~2**-24 |y|), so within eta of a boundary
+    either cell is right (measured: cells differ only within 0.35 * 2**-24 sqrt(L)); the errors are then
+    checked for the codec's own cells.
+    Errors: float32 norms, scales and inverse rotation put x_hat off the defined point by delta,
+    |delta| <= eps |x|, moving the squared error by <= 2 sqrt(err) eps |x| + eps^2 |x|^2; eps = 32 * 2**-24
+    (measured <= 4 * 2**-24).  Half the rows carry a spike in the rotated domain (u ~ 0.95 sqrt(L) >= 5.4,
+    beyond every outer centroid), so saturation is exercised each run."""
+    codec = ta.KVCodec(d, bits, bits, scale_rule=rule)
+    y = torch.randn(2**16 // d, d, generator=gen, dtype=torch.float64)
+    blocks = y.view(-1, codec.num_blocks, codec.block_size)
+    blocks[::2, :, 0] = torch.where(blocks[::2, :, 0] < 0, -3.0, 3.0) * math.sqrt(codec.block_size)
+    x = rotation.unrotate(y).float()
+    packed = codec.quantize(x, "k")
+    idx = codec.unpack(packed, "k").reshape(*x.shape[:-1], codec.num_blocks, codec.block_size)
+
+    y = rotated_blocks(codec, x)
+    u = y / y.pow(2).mean(-1, keepdim=True).sqrt()
+    centroids = codebook.centroids(bits, torch.float64)
+    boundaries = 0.5 * (centroids[1:] + centroids[:-1])
+    eta = 32 * U32 * math.sqrt(codec.block_size)
+    lowest, highest = torch.searchsorted(boundaries, u - eta), torch.searchsorted(boundaries, u + eta)
+    assert bool(((idx >= lowest) & (idx <= highest)).all())
+
+    x_hat = codec.dequantize(packed, "k", torch.float64)
+    measured = (x_hat - x.double()).pow(2).sum(-1)
+    defined = defined_row_errors(codec, x, idx.reshape(x.shape))
+    norm = x.double().norm(dim=-1)
+    eps = 32 * U32
+    bound = 2 * defined.sqrt() * eps * norm + (eps * norm) ** 2
+    assert bool(((measured - defined).abs() <= bound).all()), float(((measured - defined).abs() / bound).max())
+
+
+@pytest.mark.parametrize("d,bits", SAMPLED_MSE_CASES)
 @pytest.mark.parametrize("rule", ["corrected", "lsq"])
 def test_other_rules_round_trip_mse(d, bits, rule, gen):
     """Never more than 5% above the codebook MSE.  Not two-sided: with small blocks the per-block
     scale fit beats the codebook (at D=64 by ~6%: the normalized coordinates have lighter tails
     than N(0,1), and both rules refit the scale to the chosen cells); how these rules relate to
-    "rms" exactly is pinned by test_scale_rules_per_block below."""
+    "rms" exactly is pinned by test_scale_rules_per_block below, at 8 bits too."""
     # Expected values are <= 1.0x the codebook MSE, except "corrected" at 2 and 3 bits (<= 1.03x,
     # from 2 - 2 sqrt(1 - mse) ~ mse + mse^2/4 for large blocks): with COORDS coordinates the
     # 1.05x limit is >= 5 SE away.
