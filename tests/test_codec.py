@@ -45,7 +45,8 @@ def sphere_marginal_mse(bits: int, block: int) -> float:
     marginal (at L = 64 ~3.5% below the codebook's N(0,1) MSE), integrated cell by cell."""
     c = codebook.centroids(bits, torch.float64).numpy()
     radius = math.sqrt(block)
-    u, w = sphere_marginal_nodes(block, np.concatenate([[-radius], 0.5 * (c[1:] + c[:-1]), [radius]]))
+    edges = np.concatenate([[-radius], codebook.boundaries(bits, torch.float64).numpy(), [radius]])
+    u, w = sphere_marginal_nodes(block, edges)
     assert abs(w.sum() - 1) < 1e-12
     return float((w * (c[:, None] - u) ** 2).sum())
 
@@ -71,21 +72,14 @@ def round_trip(codec: ta.KVCodec, x: torch.Tensor, kind: str = "k") -> torch.Ten
     return codec.dequantize(codec.quantize(x, kind), kind)
 
 
-def rotated_blocks(codec: ta.KVCodec, x: torch.Tensor) -> torch.Tensor:
-    """y = R x in float64, [..., num_blocks, block_size]."""
-    return rotation.rotate(x.double()).reshape(*x.shape[:-1], codec.num_blocks, codec.block_size)
-
-
-def defined_row_errors(codec: ta.KVCodec, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """||x_hat - x||^2 per row as the scale rule defines it for cells idx, in float64 from y = R x, with c the
-    cells' centroids: rms: sum (rms(y) c - y)^2; lsq: |y|^2 sin^2(theta); corrected: 2 |y|^2 (1 - cos theta),
-    theta the angle between y and c (per norm block, summed)."""
-    y = rotated_blocks(codec, x)
-    c = codebook.centroids(codec.k_bits, torch.float64)[idx].reshape(y.shape)
+def defined_row_errors(rule: str, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """||x_hat - x||^2 per row as the scale rule defines it, from y = R x and the chosen cells' centroids c
+    (float64, [..., num_blocks, block_size]): rms: sum (rms(y) c - y)^2; lsq: |y|^2 sin^2(theta); corrected:
+    2 |y|^2 (1 - cos theta), theta the angle between y and c (per norm block, summed)."""
     yy, cc, yc = y.pow(2).sum(-1), c.pow(2).sum(-1), (y * c).sum(-1)
-    if codec.scale_rule == "rms":
+    if rule == "rms":
         err = (c * y.pow(2).mean(-1, keepdim=True).sqrt() - y).pow(2).sum(-1)
-    elif codec.scale_rule == "lsq":
+    elif rule == "lsq":
         err = yy - yc * yc / cc
     else:
         err = 2 * yy * (1 - yc / (yy * cc).sqrt())
@@ -143,24 +137,23 @@ def test_round_trip_error_is_the_rules_definition_row_by_row(d, bits, rule, gen)
     (measured <= 4 * 2**-24).  Half the rows carry a spike in the rotated domain (u ~ 0.95 sqrt(L) >= 5.4,
     beyond every outer centroid), so saturation is exercised each run."""
     codec = ta.KVCodec(d, bits, bits, scale_rule=rule)
-    y = torch.randn(2**16 // d, d, generator=gen, dtype=torch.float64)
-    blocks = y.view(-1, codec.num_blocks, codec.block_size)
-    blocks[::2, :, 0] = torch.where(blocks[::2, :, 0] < 0, -3.0, 3.0) * math.sqrt(codec.block_size)
-    x = rotation.unrotate(y).float()
+    planted = torch.randn(2**16 // d, d, generator=gen, dtype=torch.float64)
+    spikes = planted.view(-1, codec.num_blocks, codec.block_size)[::2, :, 0]
+    spikes.copy_(torch.where(spikes < 0, -3.0, 3.0) * math.sqrt(codec.block_size))
+    x = rotation.unrotate(planted).float()
     packed = codec.quantize(x, "k")
-    idx = codec.unpack(packed, "k").reshape(*x.shape[:-1], codec.num_blocks, codec.block_size)
 
-    y = rotated_blocks(codec, x)
+    y = rotation.rotate(x.double()).reshape(-1, codec.num_blocks, codec.block_size)  # R x in float64
+    idx = codec.unpack(packed, "k").reshape(y.shape)
     u = y / y.pow(2).mean(-1, keepdim=True).sqrt()
-    centroids = codebook.centroids(bits, torch.float64)
-    boundaries = 0.5 * (centroids[1:] + centroids[:-1])
+    boundaries = codebook.boundaries(bits, torch.float64)
     eta = 32 * U32 * math.sqrt(codec.block_size)
     lowest, highest = torch.searchsorted(boundaries, u - eta), torch.searchsorted(boundaries, u + eta)
     assert bool(((idx >= lowest) & (idx <= highest)).all())
 
     x_hat = codec.dequantize(packed, "k", torch.float64)
     measured = (x_hat - x.double()).pow(2).sum(-1)
-    defined = defined_row_errors(codec, x, idx.reshape(x.shape))
+    defined = defined_row_errors(rule, y, codebook.centroids(bits, torch.float64)[idx])
     norm = x.double().norm(dim=-1)
     eps = 32 * U32
     bound = 2 * defined.sqrt() * eps * norm + (eps * norm) ** 2
