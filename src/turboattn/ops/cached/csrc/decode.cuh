@@ -624,6 +624,11 @@ struct Shape {
   using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
+  // Tiles a warp keeps loading ahead of the one it computes: two where it measured faster (H100, BENCHMARKS.md),
+  // at D = 512 (on 2 CTAs per SM, ctas_per_sm: 0.91-1.00 of one tile on 3 at B >= 2, 0.99-1.01 at B=1) and for
+  // k2v2 and k4v4 at D = 256 (0.94-1.01); one elsewhere: at D = 256 k3v3 (1.01-1.05) and k2v4, k4v2, k2v8, k8v2
+  // (1.01-1.04) ran slower with two, and k5v5, k6v6 and k8v8 would spill 192-224 bytes.
+  static constexpr int PREFETCH = D == 512 || (D == 256 && !GROUPED && KB == VB && (KB == 2 || KB == 4)) ? 2 : 1;
   // q fragments (2 registers per k-step) go to shared memory where registers would crowd out the accumulators:
   // at D = 256, unless the codes are narrow (KB + VB <= Q_REGISTER_BITS), whose tiles leave the room (k2v2 194 ->
   // 224 registers, k3v3 242 -> 254, no spill: 2-7% faster than reading them from shared memory in every tile).
@@ -1263,14 +1268,17 @@ constexpr int ctas_per_sm() {
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
   // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal widths
   // of at most 4 bits at D = 64 and k2v2 at D = 128 (their compact 2-bit table: 2-30% faster than 3 CTAs with the
-  // full one at D = 128, H100); k3v3 at D = 128 spilled 56 bytes at 4 and runs 3-6% faster at 3.  At D = 64 the
-  // kernels for caches with exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact
-  // CTAs share the splits' wave (default preset, B=8: 12-14% faster), while the plain kernels of the other pairs ran
-  // up to 7% slower at 4 than at 3.  Sliced D = 512 takes 3: at 4 its k4v4 spilled 124 bytes in the main loop, at 3
-  // it runs 14-19% faster.  Other pairs take 3, D = 256 2.
+  // full one at D = 128, H100), and k3v3's plain build at D = 128: since the lane pointers are pinned it spills 8
+  // bytes there (56 before, when 3 CTAs ran 3-6% faster) and takes 0.85-1.01 of its time at 3.  Its exact-row build
+  // would spill 68 bytes and k4v3 16 (up to 7% slower at 4): they take 3.  At D = 64 the kernels for caches with
+  // exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact CTAs share the splits'
+  // wave (default preset, B=8: 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4
+  // than at 3.  Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH: 0.91-1.01 of
+  // one tile on 3 CTAs; two tiles spill on 3, and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256
+  // 2.
   constexpr bool four = (KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
-                        (EXACT && D == 64);
-  constexpr int by_regs = D == 256 ? 2 : D == 512 ? 3 : four ? 4 : 3;
+                        (EXACT && D == 64) || (D == 128 && KB == 3 && VB == 3 && !EXACT);
+  constexpr int by_regs = D == 256 || D == 512 ? 2 : four ? 4 : 3;
   return by_smem < by_regs ? by_smem : by_regs;
 }
 
@@ -1749,10 +1757,13 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       for (int i = 0; i < N; ++i) qx[k][i] = 0.f;
     }
   }
-  TileData<S> next;
+  TileData<S> next, ahead;  // the next tile, and (PREFETCH = 2) the one after it
   // Each warp walks its own tiles, or (sliced) every warp walks every tile.
   const int first_tile = lo + (S::SLICED ? 0 : warp * TILE_KEYS);
+  constexpr int STRIDE = S::SLICED ? TILE_KEYS : WARPS * TILE_KEYS;
   if (first_tile < hi) load(first_tile, next);
+  if constexpr (S::PREFETCH > 1)
+    if (first_tile + STRIDE < hi) load(first_tile + STRIDE, ahead);
   TURBOATTN_STAMP(2);
   // The tables come from the codebooks' constants, so they are built while the loads are in flight (ptxas
   // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
@@ -1935,13 +1946,17 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       mma_16816(acc[t], a.x, a.y, a.z, a.w, pb[b][0], pb[b][1]);
     }
   };
-  // Each warp keeps its next tile's loads in flight while it computes the current one.  (Unrolling by two into
-  // alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
-  constexpr int STRIDE = S::SLICED ? TILE_KEYS : WARPS * TILE_KEYS;
+  // Each warp keeps its next PREFETCH tiles' loads in flight while it computes the current one.  (Unrolling by two
+  // into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
   TURBOATTN_STAMP(3);
   for (int tile = first_tile; tile < hi; tile += STRIDE) {
     const TileData<S> cur = next;
-    if (tile + STRIDE < hi) load(tile + STRIDE, next);
+    if constexpr (S::PREFETCH > 1) {
+      next = ahead;
+      if (tile + 2 * STRIDE < hi) load(tile + 2 * STRIDE, ahead);
+    } else if (tile + STRIDE < hi) {
+      load(tile + STRIDE, next);
+    }
     process(cur, tile);
   }
   TURBOATTN_STAMP(4);
