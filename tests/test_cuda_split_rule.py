@@ -114,7 +114,8 @@ def test_split_rule_at_the_measured_shapes():
     assert cuda_num_splits(528, 24, 64, 16384) == 22      # D=64 keeps the full wave
     assert cuda_num_splits(264, 64, 256, 8192) == 4
     assert cuda_num_splits(528, 2, 512, 32768) == 128     # D=512, one sequence x 2 KV heads: the cap
-    # D = 512 on 3 CTAs x 132 SMs keeps the full wave: the cap at B=1 (half a wave would be 86), 64 at B=2, 16 at B=8.
+    # D = 512 keeps the full wave, here on 3 CTAs x 132 SMs (where it was measured; it now runs 2): the cap at B=1
+    # (half a wave would be 86), 64 at B=2, 16 at B=8.
     assert cuda_num_splits(396, 2, 512, 32768) == 128
     assert cuda_num_splits(396, 4, 512, 16384) == 64
     assert cuda_num_splits(396, 16, 512, 4096) == 16

@@ -98,8 +98,8 @@ def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_token
     against 21.0; D = 256 x 1 head 21.1 against 23.3; D = 512 x 2 heads 54.2 against 61.5), and half a wave where a
     full one would cut splits shorter than CUDA_SHORT_SPLIT keys at D = 128 and 256 (one sequence x 8 heads at
     L=32K: 28.2 us at 32 splits, 30.7 at 64; 2 x 8 at 16K: 27.3 vs 28.6).  D = 64 keeps the full wave (8 x 3 heads
-    at 16K: 23.5 us at 22, 26.6 at 11), and so does D = 512 (3 CTAs per SM, one sequence x 2 heads at 32K: k3v3
-    41.7 us at 128 splits, 48.2 at half a wave's 86; k4v4 46.1 at 128, 49.3 at 64).
+    at 16K: 23.5 us at 22, 26.6 at 11), and so does D = 512 (measured on 3 CTAs per SM, one sequence x 2 heads at
+    32K: k3v3 41.7 us at 128 splits, 48.2 at half a wave's 86; k4v4 46.1 at 128, 49.3 at 64).
     """
     most = min(CUDA_MAX_SPLITS_D64 if head_dim <= 64 else CUDA_MAX_SPLITS, max_tokens // CUDA_MIN_KEYS_PER_SPLIT)
     splits = max(1, min(resident // batch_kv_heads, most))

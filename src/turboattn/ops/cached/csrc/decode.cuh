@@ -1273,9 +1273,8 @@ constexpr int ctas_per_sm() {
   // would spill 68 bytes and k4v3 16 (up to 7% slower at 4): they take 3.  At D = 64 the kernels for caches with
   // exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact CTAs share the splits'
   // wave (default preset, B=8: 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4
-  // than at 3.  Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH: 0.91-1.01 of
-  // one tile on 3 CTAs; two tiles spill on 3, and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256
-  // 2.
+  // than at 3.  Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH; two tiles
+  // spill on 3, and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256 2.
   constexpr bool four = (KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
                         (EXACT && D == 64) || (D == 128 && KB == 3 && VB == 3 && !EXACT);
   constexpr int by_regs = D == 256 || D == 512 ? 2 : four ? 4 : 3;
