@@ -188,10 +188,10 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits for 5 and 6), at least the 32 KB the
     same space holds after the main loop, the static arrays (with the q fragments at D = 256 unless k_bits +
     v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
-    no per-warp outputs to combine, q fragments in registers, 4 KB of partial scores. Registers: 4 CTAs (128 per
-    thread) for k4v4 and k2v2 at D <= 128 and k3v3's plain build at D = 128, for equal widths of at most 4 bits
-    at D = 64 and for every pair of the exact-row build at D = 64, 3 for other pairs, 2 at D = 256 and at D = 512
-    (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
+    no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a two-tile
+    step's). Registers: 4 CTAs (128 per thread) for k4v4 and k2v2 at D <= 128 and k3v3's plain build at D = 128,
+    for equal widths of at most 4 bits at D = 64 and for every pair of the exact-row build at D = 64, 3 for other
+    pairs, 2 at D = 256 and at D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and head_dim > 128 else 128)
@@ -203,7 +203,7 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
     q_in_smem = head_dim == 256 and (isinstance(k_bits, tuple) or k_bits + v_bits > CUDA_Q_REGISTER_BITS)
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if q_in_smem else 0) + 2048
-              + (2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
+              + (2 * 2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
     by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
     if head_dim in (256, 512):
         by_regs = 2

@@ -624,11 +624,19 @@ struct Shape {
   using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
-  // Tiles a warp keeps loading ahead of the one it computes: two where it measured faster (H100, BENCHMARKS.md),
-  // at D = 512 (on 2 CTAs per SM, ctas_per_sm: 0.91-1.00 of one tile on 3 at B >= 2, 0.99-1.01 at B=1) and for
-  // k2v2 and k4v4 at D = 256 (0.94-1.01); one elsewhere: at D = 256 k3v3 (1.01-1.05) and k2v4, k4v2, k2v8, k8v2
-  // (1.01-1.04) ran slower with two, and k5v5, k6v6 and k8v8 would spill 192-224 bytes.
-  static constexpr int PREFETCH = D == 512 || (D == 256 && !GROUPED && KB == VB && (KB == 2 || KB == 4)) ? 2 : 1;
+  // Tiles a warp takes per step of its main loop: two (32 keys) where it measured faster, one elsewhere.  A
+  // two-tile step computes both tiles' scores (two independent MMA chains), then one softmax step (one vote on the
+  // row maximum; one exchange barrier when sliced), then both PV products: fewer instructions per tile (k2v2 at
+  // D = 256 752 -> 702, k4v4 at D = 512 839 -> 797) and more of them independent, which the latency-bound loops
+  // (1-2 warps per scheduler) lack.  It holds two tiles' loads in flight.  Against one-tile steps (H200,
+  // BENCHMARKS.md): every pair at D = 512 0.96-0.98; k2v2 at D = 256 0.91-0.99 and k4v2 0.94-1.00.  Slower or
+  // spilling: k2v4 (72 bytes) and k4v4 (84) at D = 256 1.03-1.06; k3v3, k5v3 and pairs with an 8-bit side spill
+  // over 100 bytes there.
+  static constexpr int STEP_TILES = D == 512 || (D == 256 && !GROUPED && (KB == 2 || KB == 4) && VB == 2) ? 2 : 1;
+  // Tiles a warp keeps loading ahead of the one it computes: two for a two-tile step, and for k4v4 at D = 256
+  // (0.94-1.01 of one, H100); one elsewhere: at D = 256 k3v3 (1.01-1.05) and k2v4, k2v8, k8v2 (1.01-1.04) ran
+  // slower with two, and k5v5, k6v6 and k8v8 would spill 192-224 bytes.
+  static constexpr int PREFETCH = STEP_TILES == 2 || (D == 256 && !GROUPED && KB == 4 && VB == 4) ? 2 : 1;
   // q fragments (2 registers per k-step) go to shared memory where registers would crowd out the accumulators:
   // at D = 256, unless the codes are narrow (KB + VB <= Q_REGISTER_BITS), whose tiles leave the room (k2v2 194 ->
   // 224 registers, k3v3 242 -> 254, no spill: 2-7% faster than reading them from shared memory in every tile).
@@ -1263,7 +1271,7 @@ constexpr int ctas_per_sm() {
   // Sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
   using S = Shape<D, KB, VB, GA, KB2>;
   constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
-                               (S::SLICED ? 2 * WARPS * 32 * 16 + 4 * D : 0);
+                               (S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
   // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
   // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal widths
@@ -1634,8 +1642,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   __shared__ float q_rot[MAX_ROWS * D];
   __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
-  // Sliced: the warps' partial scores of a tile (two buffers, alternating by tile: one barrier per tile).
-  __shared__ float4 partial_scores[S::SLICED ? 2 * WARPS * 32 : 1];
+  // Sliced: the warps' partial scores of a step's tiles (two buffers, alternating by step: one barrier per step).
+  __shared__ float4 partial_scores[S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 : 1];
   __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
   __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
   __shared__ float row_inv[MAX_ROWS];
@@ -1822,11 +1830,11 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
 #pragma unroll
   for (int t = 0; t < S::DIM_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 
-  // One 16-key tile: scores, online softmax, and the PV product.
-  auto process = [&](const TileData<S>& cur, const int tile) {
+  // A 16-key tile's scores (scaled; a sliced warp's part of them) and its keys' V scales.
+  auto tile_scores = [&](const TileData<S>& cur, float (&s)[4], float (&v_scale)[2][S::NB]) {
     // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
     // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
-    float k_scale[2][S::KNB], v_scale[2][S::NB];
+    float k_scale[2][S::KNB];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       bool bad = false;
@@ -1846,7 +1854,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
     }
     // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains (with two norm blocks
     // and K::BLOCKED, the chains are the blocks: k-step kk holds block kk % 2; with key groups, the groups).
-    float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+    s[0] = s[1] = s[2] = s[3] = 0.f;
+    float s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) {
       const uint4 a = key_fragments<typename S::K>(k_table, k_lane, cur.kw[0], cur.kw[1], kk, k_shift);
@@ -1863,19 +1872,32 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       else if constexpr (S::K::BLOCKED) s[i] = s[i] * k_scale[n][0] + s_odd[i] * k_scale[n][S::NB - 1];
       else s[i] = (s[i] + s_odd[i]) * (warp_block ? k_scale[n][S::NB - 1] : k_scale[n][0]);
     }
-    if constexpr (S::SLICED) {  // the warps' partial scores, summed in a fixed order: every warp gets the same
-      float4* buf = partial_scores + ((tile / TILE_KEYS) & 1) * WARPS * 32;
-      buf[warp * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
-      __syncthreads();
-      float4 sum = buf[lane];
+  };
+  // Sliced: the warps' partial scores of a step's NT tiles, summed in a fixed order (every warp gets the same),
+  // through one barrier.  Consecutive steps alternate between the buffer's two halves, so a warp that runs ahead
+  // writes the other half, and the next barrier cannot pass before every warp has read this one.
+  int exchanges = 0;
+  auto exchange = [&](auto& ss) {
+    constexpr int NT = sizeof(ss) / sizeof(ss[0]);
+    float4* buf = partial_scores + (exchanges & 1) * S::STEP_TILES * WARPS * 32;
+    ++exchanges;
+#pragma unroll
+    for (int k = 0; k < NT; ++k)
+      buf[(k * WARPS + warp) * 32 + lane] = make_float4(ss[k][0], ss[k][1], ss[k][2], ss[k][3]);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < NT; ++k) {
+      float4 sum = buf[k * WARPS * 32 + lane];
 #pragma unroll
       for (int w = 1; w < WARPS; ++w) {
-        const float4 x = buf[w * 32 + lane];
+        const float4 x = buf[(k * WARPS + w) * 32 + lane];
         sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
       }
-      s[0] = sum.x, s[1] = sum.y, s[2] = sum.z, s[3] = sum.w;
+      ss[k][0] = sum.x, ss[k][1] = sum.y, ss[k][2] = sum.z, ss[k][3] = sum.w;
     }
-    // Cap, and mask where a mask can apply.
+  };
+  // Cap, and mask where a mask can apply.
+  auto cap_and_mask = [&](const int tile, float (&s)[4]) {
     if (p.softcap > 0.f) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] = p.softcap * tanhf(s[i] / p.softcap) * 1.4426950408889634f;
@@ -1893,13 +1915,22 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
         }
       }
     }
-    // Online softmax of rows 2c, 2c + 1.  The row maximum (shared by the row's 8 lanes) only moves, and the
-    // accumulators only rescale, when some lane's score exceeds it: rare after the first tiles.
-    const bool grows = fmaxf(s[0], s[2]) > m[0] || fmaxf(s[1], s[3]) > m[1];
+  };
+  // Online softmax of rows 2c, 2c + 1 over a step's NT tiles' scores (e2: their exponentials).  The row maximum
+  // (shared by the row's 8 lanes) only moves, and the accumulators only rescale, when some lane's score exceeds it:
+  // rare after the first tiles.
+  auto softmax_step = [&](auto& ss, auto& e2) {
+    constexpr int NT = sizeof(ss) / sizeof(ss[0]);
+    bool grows = false;
+#pragma unroll
+    for (int k = 0; k < NT; ++k)
+      grows = grows || fmaxf(ss[k][0], ss[k][2]) > m[0] || fmaxf(ss[k][1], ss[k][3]) > m[1];
     if (__any_sync(0xffffffffu, grows)) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float mx = fmaxf(s[e], s[2 + e]);
+        float mx = fmaxf(ss[0][e], ss[0][2 + e]);
+#pragma unroll
+        for (int k = 1; k < NT; ++k) mx = fmaxf(mx, fmaxf(ss[k][e], ss[k][2 + e]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
@@ -1914,18 +1945,21 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
         m[e] = m_new;
       }
     }
-    float e2[4];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float m_use = m[e] == -INFINITY ? 0.f : m[e];
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        e2[2 * n + e] = fast_exp2(s[2 * n + e] - m_use);
-        l[e] += e2[2 * n + e];
-      }
+      for (int k = 0; k < NT; ++k)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          e2[k][2 * n + e] = fast_exp2(ss[k][2 * n + e] - m_use);
+          l[e] += e2[k][2 * n + e];
+        }
     }
-    // P^T (16 keys x 8 rows) times the V scales, from the accumulator layout to the B layout: one 8x8 transpose
-    // per 8 keys; one P per norm block when the tiles alternate blocks.
+  };
+  // A tile's PV product.  P^T (16 keys x 8 rows) times the V scales, from the accumulator layout to the B layout:
+  // one 8x8 transpose per 8 keys; one P per norm block when the tiles alternate blocks.
+  auto tile_pv = [&](const TileData<S>& cur, const float (&e2)[4], const float (&v_scale)[2][S::NB]) {
     constexpr int P_SETS = S::V::TILE_BLOCKS ? S::NB : 1;
     uint32_t pb[P_SETS][2];
 #pragma unroll
@@ -1945,18 +1979,52 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       mma_16816(acc[t], a.x, a.y, a.z, a.w, pb[b][0], pb[b][1]);
     }
   };
-  // Each warp keeps its next PREFETCH tiles' loads in flight while it computes the current one.  (Unrolling by two
-  // into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K.)
+  // A one-tile step: scores, online softmax, and the PV product.
+  auto process = [&](const TileData<S>& cur, const int tile) {
+    float s[1][4], v_scale[2][S::NB], e2[1][4];
+    tile_scores(cur, s[0], v_scale);
+    if constexpr (S::SLICED) exchange(s);
+    cap_and_mask(tile, s[0]);
+    softmax_step(s, e2);
+    tile_pv(cur, e2[0], v_scale);
+  };
+  // A two-tile step (Shape::STEP_TILES): both tiles' scores, one softmax step, both PV products.
+  auto process_pair = [&](const TileData<S>& c0, const int t0, const TileData<S>& c1, const int t1) {
+    float s[2][4], vs0[2][S::NB], vs1[2][S::NB], e2[2][4];
+    tile_scores(c0, s[0], vs0);
+    tile_scores(c1, s[1], vs1);
+    if constexpr (S::SLICED) exchange(s);
+    cap_and_mask(t0, s[0]);
+    cap_and_mask(t1, s[1]);
+    softmax_step(s, e2);
+    tile_pv(c0, e2[0], vs0);
+    tile_pv(c1, e2[1], vs1);
+  };
+  // Each warp keeps its next PREFETCH tiles' loads in flight while it computes the current step.  (Unrolling the
+  // one-tile loop by two into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8
+  // L=32K.)
   TURBOATTN_STAMP(3);
-  for (int tile = first_tile; tile < hi; tile += STRIDE) {
-    const TileData<S> cur = next;
-    if constexpr (S::PREFETCH > 1) {
-      next = ahead;
-      if (tile + 2 * STRIDE < hi) load(tile + 2 * STRIDE, ahead);
-    } else if (tile + STRIDE < hi) {
-      load(tile + STRIDE, next);
+  if constexpr (S::STEP_TILES == 2) {
+    // This warp's tiles in pairs (tile, tile + STRIDE), the next pair's loads in flight; an odd last tile alone.
+    int tile = first_tile;
+    for (; tile + STRIDE < hi; tile += 2 * STRIDE) {
+      const TileData<S> c0 = next, c1 = ahead;
+      if (tile + 2 * STRIDE < hi) load(tile + 2 * STRIDE, next);
+      if (tile + 3 * STRIDE < hi) load(tile + 3 * STRIDE, ahead);
+      process_pair(c0, tile, c1, tile + STRIDE);
     }
-    process(cur, tile);
+    if (tile < hi) process(next, tile);
+  } else {
+    for (int tile = first_tile; tile < hi; tile += STRIDE) {
+      const TileData<S> cur = next;
+      if constexpr (S::PREFETCH > 1) {
+        next = ahead;
+        if (tile + 2 * STRIDE < hi) load(tile + 2 * STRIDE, ahead);
+      } else if (tile + STRIDE < hi) {
+        load(tile + STRIDE, next);
+      }
+      process(cur, tile);
+    }
   }
   TURBOATTN_STAMP(4);
 
