@@ -1,16 +1,17 @@
 """The CUDA decode kernel's residency, split and merge rules (ops/cached/config.cuda_ctas_per_sm, cuda_num_splits,
-cuda_exact_parts, cuda_exact_ctas, cuda_exact_splits, cuda_merge_apart): the properties their docstrings state,
-over random residencies, batch x KV-head counts and lengths (the measured timings behind it are in
-BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
+cuda_exact_parts, cuda_exact_ctas, cuda_exact_splits, cuda_merge_apart, cuda_merge_slices): the properties their
+docstrings state, over random residencies, batch x KV-head counts and lengths (the measured timings behind it are
+in BENCHMARKS.md; the rule runs on the host, so no GPU is needed)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turboattn.ops.cached.config import (CUDA_CHUNK_ALIGN, CUDA_EXACT_ROWS_PER_CTA, CUDA_EXACT_SPREAD_WAVES,
                                          CUDA_EXACT_TAIL_KEYS, CUDA_MAX_PARTS, CUDA_MAX_SPLITS, CUDA_MAX_SPLITS_D64,
-                                         CUDA_MAX_WAVES, CUDA_MERGE_APART, CUDA_MIN_KEYS_PER_SPLIT, CUDA_MIN_WAVE_FILL,
-                                         CUDA_SHORT_SPLIT, cuda_ctas_per_sm, cuda_exact_ctas, cuda_exact_parts,
-                                         cuda_exact_splits, cuda_filled_splits, cuda_merge_apart, cuda_num_splits,
+                                         CUDA_MAX_WAVES, CUDA_MERGE_APART, CUDA_MERGE_SLICE_DIMS,
+                                         CUDA_MIN_KEYS_PER_SPLIT, CUDA_MIN_WAVE_FILL, CUDA_SHORT_SPLIT,
+                                         cuda_ctas_per_sm, cuda_exact_ctas, cuda_exact_parts, cuda_exact_splits,
+                                         cuda_filled_splits, cuda_merge_apart, cuda_merge_slices, cuda_num_splits,
                                          wave_fill)
 
 RESIDENT = st.integers(1, 8 * 200)          # CTAs per SM x SMs
@@ -147,6 +148,34 @@ def test_merge_rule_at_the_measured_shapes():
     assert cuda_merge_apart(64, 4, 64)
     assert cuda_merge_apart(32, 4, 128) and cuda_merge_apart(64, 2, 128)
     assert cuda_merge_apart(128, 8, 512) and cuda_merge_apart(128, 4, 256)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, CUDA_MAX_PARTS), st.integers(1, 8), st.integers(1, 4096), st.sampled_from([64, 128, 256, 512]),
+       st.integers(1, 200))
+def test_merge_slices_fill_the_sms_once(parts, rows, bkv, d, sms):
+    """0 exactly for the fused merge; else 1 below D = 512 (parts in the codes' domain), and at D = 512 a power of
+    two that divides the row into slices of at least CUDA_MERGE_SLICE_DIMS dims, keeps the launch within one CTA per
+    SM unless a row gets one CTA, and is the most that does both."""
+    slices = cuda_merge_slices(parts, rows, bkv, d, sms)
+    assert (slices == 0) == (not cuda_merge_apart(parts, rows, d))
+    if slices and d < 512:
+        assert slices == 1
+    elif slices:
+        assert slices & (slices - 1) == 0 and d // slices >= CUDA_MERGE_SLICE_DIMS
+        assert slices == 1 or bkv * rows * slices <= sms
+        assert d // (2 * slices) < CUDA_MERGE_SLICE_DIMS or bkv * rows * 2 * slices > sms
+
+
+def test_merge_slices_at_the_measured_shapes():
+    # H100 (132 SMs), k4v4 (BENCHMARKS.md): one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 takes 8 slices
+    # (128 CTAs), two sequences 4; 8 sequences x 2 KV heads x 8 rows x 16 parts, where 8 measured slower, one; and
+    # one at D <= 256, where slices measured slower.
+    assert cuda_merge_slices(128, 8, 2, 512, 132) == 8
+    assert cuda_merge_slices(64, 8, 4, 512, 132) == 4
+    assert cuda_merge_slices(16, 8, 16, 512, 132) == 1
+    assert cuda_merge_slices(128, 8, 1, 256, 132) == 1
+    assert cuda_merge_slices(32, 4, 8, 128, 132) == 1
 
 
 @settings(max_examples=500, deadline=None)

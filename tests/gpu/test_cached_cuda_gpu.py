@@ -16,6 +16,7 @@ from turboattn.format.key_transform import fit_key_transform
 from turboattn.ops import backend
 from turboattn.ops.cached import cuda
 from turboattn.ops.cuda_extension import extension
+from turboattn.ops.launch import sm_count
 from turboattn.format.codec import SUPPORTED_BITS
 from turboattn.ops.cached.config import (CUDA_BIT_PAIRS, CUDA_COUNTERS_PER_HEAD, CUDA_HEAD_DIMS, DecodePlan,
                                          cuda_ctas_per_sm, plan_decode)
@@ -129,16 +130,48 @@ def test_cuda_decode_cache_options(d, bits, scale_dtype, options, i):
     _check_against_reference(CASES[i], d, bits, scale_dtype, options)
 
 
-# The merge in a launch of its own (config.cuda_merge_apart, csrc/decode.cuh's merge_rows) forced onto small calls:
-# fresh tokens, sinks, key transforms, a ring, exact rows, every head dim.  (d, options, case)
+def _force_merge(monkeypatch, slices):
+    """Calls merge in a launch of their own with `slices` CTAs per output row ("most": 8 at D = 512, else 1; 0:
+    fused) instead of what config.cuda_merge_slices picks."""
+    monkeypatch.setattr(cuda, "cuda_merge_slices",
+                        lambda parts, rows, batch_kv_heads, d, sms: (d // 64 if d >= 512 else 1) if slices == "most"
+                        else slices)
+
+
+# The merge in a launch of its own (config.cuda_merge_slices, csrc/decode.cuh's merge_rows) forced onto small calls,
+# one CTA per row and the most slices: fresh tokens, sinks, key transforms, a ring, exact rows, every head dim.
+# (d, options, case)
 MERGE_CASES = [(128, dict(), 1), (128, dict(), 3), (128, dict(exact_recent=64, exact_first=4), 1), (64, dict(), 8),
                (256, dict(), 2), (512, dict(), 0)]
 
 
+@pytest.mark.parametrize("slices", [1, "most"], ids=lambda s: f"slices-{s}")
 @pytest.mark.parametrize("d,options,i", MERGE_CASES, ids=[f"D{c[0]}-{c[1]}-{c[2]}" for c in MERGE_CASES])
-def test_cuda_merge_apart(d, options, i, monkeypatch):
-    monkeypatch.setattr(cuda, "cuda_merge_apart", lambda parts, rows, dim: True)
+def test_cuda_merge_apart(d, options, i, slices, monkeypatch):
+    _force_merge(monkeypatch, slices)
     _check_against_reference(CASES[i], d, (4, 4), torch.bfloat16 if options else torch.float32, options)
+
+
+# Every slice count of the merge launch at D = 512, and one CTA per row below, on parts that take a thread more than
+# one batch of loads (MERGE_BATCH x sets: 64 parts at D = 512 in one slice, 512 at 64 dims a slice or at D = 64),
+# with fresh tokens, sinks, softcap and a key transform; None: the slices config.cuda_merge_slices picks (8 for one
+# sequence x 2 KV heads x 8 rows on 128 SMs or more).  (d, case, slices)
+SLICE_CASES = [(512, (1, 2, 8, 130 * 64, None, 1, True, None, True, False, 130), s) for s in (None, 1, 2, 4)] + [
+    (512, (1, 1, 4, 600 * 64, None, 1, False, None, False, False, 600), 8),
+    (256, (1, 2, 4, 67 * 64, None, 2, True, 30.0, False, True, 67), 1),
+    (128, (2, 2, 4, 40 * 256, None, 1, True, None, True, False, 40), 1),
+    (64, (1, 3, 3, 600 * 64, None, 1, True, None, True, False, 600), 1),
+]
+
+
+@pytest.mark.parametrize("d,case,slices", SLICE_CASES, ids=[f"D{c[0]}-{c[1]}-slices-{c[2]}" for c in SLICE_CASES])
+def test_cuda_merge_slices(d, case, slices, monkeypatch):
+    if slices is None:
+        b, hkv, g, tq, parts = case[0], case[1], case[2], case[5], case[10]
+        assert cuda.cuda_merge_slices(parts, tq * g, b * hkv, d, sm_count(torch.device("cuda"))) >= 2
+    else:
+        _force_merge(monkeypatch, slices)
+    _check_against_reference(case, d)
 
 
 # Merges of more parts than a thread's register batch (16), both ways.  Fused: the parts past it are staged in the
@@ -158,7 +191,7 @@ MANY_PARTS_CASES = [
 @pytest.mark.parametrize("d,case,options", MANY_PARTS_CASES,
                          ids=[f"D{c[0]}-{c[1]}-{c[2]}" for c in MANY_PARTS_CASES])
 def test_cuda_merge_of_many_parts(d, case, options, apart, monkeypatch):
-    monkeypatch.setattr(cuda, "cuda_merge_apart", lambda parts, rows, dim: apart)
+    _force_merge(monkeypatch, "most" if apart else 0)
     _check_against_reference(case, d, (4, 4), torch.bfloat16 if options else torch.float32, options)
 
 
@@ -307,7 +340,7 @@ def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value,
     """The last cached position of sequence 0, KV head 0 is poisoned; of two queries ending there, the first
     does not see it.  3 splits: the NaN must cross the merge (fused, or in its own launch) to exactly its rows.
     With an exact window the position is read from the exact rows (the exact part), not from its codes."""
-    monkeypatch.setattr(cuda, "cuda_merge_apart", lambda parts, rows, d: apart)
+    _force_merge(monkeypatch, "most" if apart else 0)
     gen = torch.Generator().manual_seed(7)
     codec = ta.KVCodec(128, 4, 4)
     b, hkv, g, t, tq = 2, 2, 4, 300, 2

@@ -122,7 +122,9 @@ def cuda_cases():
                     sinks = torch.randn(2 * g, device="cuda")
                     out = ta.cached_attention(q, cache, kf, vf, sinks=sinks, softcap=30.0 if fresh else None)
                     yield f"cuda D={d} k{bits[0]}v{bits[1]} window={window} group={g} fresh={fresh}", out
-                    if g == 8:   # 32 parts of 8 rows: merged by a launch of their own (cuda_merge_apart), some empty
+                    # 32 parts of 8 rows, some empty: merged by a launch of their own, two CTAs a row at D = 512
+                    # (cuda_merge_slices)
+                    if g == 8:
                         out = ta.cached_attention(q, cache, kf, vf, sinks=sinks, num_splits=32)
                         yield f"cuda D={d} k{bits[0]}v{bits[1]} window={window} merge apart", out
 

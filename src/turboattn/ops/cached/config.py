@@ -74,15 +74,20 @@ CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 
 # The merge: on the kernel's tail, the last CTA of each (sequence, KV head) to finish reads every part (rows x D
 # floats each), counted in by one arrival counter per (sequence, KV head) (csrc/decode.h's COUNTERS_PER_HEAD; a GPU
 # test compares them).  From CUDA_MERGE_APART floats of parts per (sequence, KV head) a second launch merges them
-# instead, one CTA per output row (csrc/decode.cuh: merge_rows), so that a head's parts stream through as many SMs
-# as it has rows.  The bound comes from both merges on 19 shapes (H200, k4v4,
-# benchmarks/decode_merge_apart_h200.json): apart, one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 took
+# instead, one CTA per output row (csrc/decode.cuh: merge_rows; at D = 512 one per slice of a row, cuda_merge_slices),
+# so that a head's parts stream through as many SMs as it has rows.  The bound comes from both merges on 19 shapes
+# (H200, k4v4, benchmarks/decode_merge_apart_h200.json): apart, one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 took
 # 38.9 against 45.2 us, 4 rows x 128 parts at D = 256 15.9 against 21.3, 4 rows x 64 parts at D = 128 17.9 against
 # 19.8; at 16K floats 0.97-1.00 of the fused time; below, slower (8 sequences x 3 KV heads x 3 rows x 22 parts at
 # D = 64: 22.0 against 20.1; 32 x 8 heads x 2 parts at D = 128: 125.7 against 99.7), the second launch costing more
 # than the tail's merges.
 CUDA_COUNTERS_PER_HEAD = 1
 CUDA_MERGE_APART = 16 * 1024
+# At D = 512 the merge launch gives each output row up to head_dim / CUDA_MERGE_SLICE_DIMS CTAs, each a slice of its
+# dims, while the launch stays within one CTA per SM (cuda_merge_slices).  Each CTA computes the row's weights
+# itself, so more, smaller CTAs pay that again: H100, k4v4, 8 sequences x 2 KV heads x 8 rows x 16 parts at D = 512
+# took 56.7 us with 8 slices (1,024 CTAs) against 50.1 with one (BENCHMARKS.md).
+CUDA_MERGE_SLICE_DIMS = 64
 
 
 def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,
@@ -169,6 +174,23 @@ def cuda_merge_apart(num_parts: int, rows: int, head_dim: int) -> bool:
     """Whether a call's parts are merged in a launch of their own (else on the decode kernel's tail): from
     CUDA_MERGE_APART floats of parts per (sequence, KV head)."""
     return num_parts * rows * head_dim >= CUDA_MERGE_APART
+
+
+def cuda_merge_slices(num_parts: int, rows: int, batch_kv_heads: int, head_dim: int, sms: int) -> int:
+    """CTAs per output row of the merge launch, each a slice of the row's dims (csrc/decode.cuh: merge_rows), or 0
+    where the merge runs on the decode kernel's tail (cuda_merge_apart).  At D = 512, whose decode kernel writes its
+    parts rotated back into the model's domain for it, the most, in powers of two up to head_dim /
+    CUDA_MERGE_SLICE_DIMS, that keep the launch within one CTA per SM: the rows' parts then stream through that many
+    more SMs (H100, k4v4, one sequence x 2 KV heads x 8 rows x 128 parts: 8 slices, 31.7 against 38.2 us for one
+    CTA per row rotating its row back).  Below D = 512 the parts stay in the codes' domain (rotating them back in
+    the decode kernel measured slower there, BENCHMARKS.md) and a row takes one CTA."""
+    if not cuda_merge_apart(num_parts, rows, head_dim):
+        return 0
+    most = head_dim // CUDA_MERGE_SLICE_DIMS if head_dim >= 512 else 1
+    slices = 1
+    while 2 * slices <= most and batch_kv_heads * rows * 2 * slices <= sms:
+        slices *= 2
+    return slices
 
 
 def cuda_kernel_serves(head_dim: int, k_bits: int | tuple, v_bits: int, query_rows: int) -> bool:

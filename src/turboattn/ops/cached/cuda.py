@@ -6,11 +6,11 @@ One launch covers the cache splits and, while the parts are small, their merge: 
 window, exact first tokens), the plan's exact_parts more CTAs per (sequence, KV head) attend them in full precision
 (at most config.cuda_exact_parts), each one more part; the last CTA of each sequence x KV head attends the fresh k/v
 tokens (when given) in full precision, merges them with the parts, adds the sinks, rotates back and casts.  Larger
-parts (config.cuda_merge_apart) are merged the same way by a second launch, one CTA per output row.  Calls the
-kernel does not serve (other bit pairs or head dims, key groups other than config.CUDA_KEY_GROUPS, more than 8 query
-rows per KV head, GPUs before sm_80) go to the Triton path, under the device guard (ops/guard.py), which the
-extension's launches do without: they guard themselves.  The extension is built with nvcc on first use
-(ops/cuda_extension.py), for the GPUs this process sees.
+parts (config.cuda_merge_apart) are written rotated back and merged the same way by a second launch, one CTA per
+slice of an output row's dims (config.cuda_merge_slices).  Calls the kernel does not serve (other bit pairs or head
+dims, key groups other than config.CUDA_KEY_GROUPS, more than 8 query rows per KV head, GPUs before sm_80) go to
+the Triton path, under the device guard (ops/guard.py), which the extension's launches do without: they guard
+themselves.  The extension is built with nvcc on first use (ops/cuda_extension.py), for the GPUs this process sees.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from ...format.rotation import device_signs
 from ..cuda_extension import arrival_counters, capable, extension
 from ..device_tables import key_group_hartley
 from ..guard import device_guard
+from ..launch import sm_count
 from .config import (CUDA_CHUNK_ALIGN, CUDA_COUNTERS_PER_HEAD, CUDA_MAX_PARTS, CUDA_MAX_ROWS, DecodePlan,
-                     cuda_exact_parts, cuda_kernel_serves, cuda_merge_apart, plan_decode)
+                     cuda_exact_parts, cuda_kernel_serves, cuda_merge_slices, plan_decode)
 from .triton import cached_attention_triton, query_scale
 
 
@@ -83,7 +84,7 @@ def cached_attention_cuda(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, 
     return ext.decode(q, *fixed.head, *part_scratch(q, hkv, num_parts), float(q_scale), float(softcap or 0.0),
                       fixed.window, plan.num_splits, num_parts, fixed.ring, has_fresh, CUDA_CHUNK_ALIGN, counters,
                       None, sinks, k, v, fixed.fresh_key_shift if has_fresh else fixed.key_shift, *exact_rows,
-                      cuda_merge_apart(num_parts, rows, d), *fixed.groups)
+                      cuda_merge_slices(num_parts, rows, b * hkv, d, sm_count(q.device)), *fixed.groups)
 
 
 def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale: float | None,
@@ -102,6 +103,7 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
     head, most_exact, key_shift, exact_rows = fixed.head, fixed.exact_parts, fixed.fresh_key_shift, fixed.exact_rows
     q_scale, kernel_softcap = float(query_scale(d, scale, softcap)), float(softcap or 0.0)
     window, ring, counters, groups = fixed.window, fixed.ring, fixed.counters, fixed.groups
+    sms = sm_count(q.device)
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         # The exact CTAs' parts after the splits (_exact_ctas, inline: this is the decode step's host path).
@@ -113,7 +115,7 @@ def decode_launcher(q: torch.Tensor, layout: CacheLayout, codec: KVCodec, scale:
             return cached_attention_cuda(q, layout, codec, k, v, scale, softcap, None, plan)
         return ext.decode(q, *head, *part_scratch(q, hkv, num_parts), q_scale, kernel_softcap, window,
                           plan.num_splits, num_parts, ring, True, CUDA_CHUNK_ALIGN, counters, None, None, k, v,
-                          key_shift, *exact_rows, cuda_merge_apart(num_parts, rows, d), *groups)
+                          key_shift, *exact_rows, cuda_merge_slices(num_parts, rows, b * hkv, d, sms), *groups)
     return launch
 
 

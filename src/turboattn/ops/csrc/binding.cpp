@@ -29,7 +29,7 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
                      const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new,
                      const c10::optional<torch::Tensor>& key_shift, const c10::optional<torch::Tensor>& recent_k,
                      const c10::optional<torch::Tensor>& recent_v, const c10::optional<torch::Tensor>& first_k,
-                     const c10::optional<torch::Tensor>& first_v, bool merge_apart, int64_t key_group_a,
+                     const c10::optional<torch::Tensor>& first_v, int64_t merge_slices, int64_t key_group_a,
                      int64_t k_bits_b, const c10::optional<torch::Tensor>& key_order,
                      const c10::optional<torch::Tensor>& hartley_a, const c10::optional<torch::Tensor>& hartley_b) {
   turboattn::DecodeParams p{};
@@ -131,8 +131,16 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
               exact ? "more than num_splits (the exact parts follow the splits)" : "num_splits");
   TORCH_CHECK(num_parts >= 1 && num_parts <= turboattn::MAX_PARTS, "turboattn decode: 1 to ", turboattn::MAX_PARTS,
               " parts (the merge's scratch), got ", num_parts);
-  // merge_apart: the merge runs in a launch of its own (merge_rows), and the decode launch only writes the parts.
+  // merge_slices > 0: the merge runs in a launch of its own (merge_rows, that many CTAs per output row, each a slice
+  // of D / merge_slices dims), and the decode launch only writes the parts; 0: the fused merge.
+  const bool merge_apart = merge_slices > 0;
   TORCH_CHECK(merge_apart || counters.has_value(), "turboattn decode: the fused merge needs the arrival counters");
+  // Slices of a row need parts in the model's domain, which the kernel writes at D = 512 (decode.cuh).
+  const int most_slices = head_dim >= 512 ? head_dim / 64 : 1;
+  TORCH_CHECK(merge_slices >= 0 && merge_slices <= most_slices && (merge_slices & (merge_slices - 1)) == 0,
+              "turboattn decode: merge_slices must be 0 or a power of two of at most ", most_slices, " at head_dim ",
+              head_dim, ", got ", merge_slices);
+  p.merge_slices = static_cast<int>(merge_slices);
   if (merge_apart) p.counters = nullptr;
   int err = -1;
   if (key_group_a > 0) {

@@ -25,10 +25,11 @@
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
 // output and log2-sum-exp; with counters given, the last CTA of each (sequence, KV head) merges all parts
-// (merge_parts) in the same launch, and otherwise a second launch merges them, one CTA per output row
-// (merge_rows).  D = 512 splits each row's dims over the warps instead of its keys (Shape::SLICED) and reads two
-// norm blocks (KeyCodes::BLOCKED).  Keys in two channel groups (KeyGroups, decode_groups.cu) take q already in the
-// groups' domain and score each group in its own chain.
+// (merge_parts) in the same launch, and otherwise a second launch merges them (merge_rows): one CTA per output row,
+// or at D = 512, where each CTA writes its part rotated back into the model's domain, per slice of a row's dims.
+// D = 512 splits each row's dims over the warps instead of its keys (Shape::SLICED) and reads two norm blocks
+// (KeyCodes::BLOCKED).  Keys in two channel groups (KeyGroups, decode_groups.cu) take q already in the groups'
+// domain and score each group in its own chain.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -1068,6 +1069,35 @@ __device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y
   store_row<N>(p.out, p.q_dtype, out_row + lane * N, v);
 }
 
+// Whether a CTA writes its part rotated back into the model's domain: at D = 512 for the merge in a launch of its
+// own (no counters), which then sums any slice of a row's dims on its own (merge_rows: p.merge_slices CTAs per
+// row), where the rotation back needs the whole row.  With the sliced merge this measured 0.83 of the merge's
+// rotation on one warp per row at D = 512 (H100, k4v4, one sequence) and 1.01-1.06 at D <= 256, whose warps share
+// the keys rather than the dims, so that rotating adds a barrier and a shared-memory pass after they are combined
+// (BENCHMARKS.md): there the parts stay in the codes' domain and the merge launch takes one CTA per row.
+template <int D>
+__device__ __forceinline__ bool model_domain_parts(const DecodeParams& p) {
+  return D >= 512 && p.counters == nullptr;
+}
+
+// Parts in the model's domain (model_domain_parts): the rows' normalized outputs y (shared [rows][D], in the codes'
+// domain) rotated back, x = signs * H y / sqrt(D), and stored as part rows part0 + r, a warp per row.
+template <int D>
+__device__ __forceinline__ void store_parts_in_model_domain(const DecodeParams& p, const float* y, const float* signs,
+                                                            size_t part0, int rows, int warp, int lane) {
+  constexpr int N = D / 32;
+  const float norm = rsqrtf((float)D);
+  for (int r = warp; r < rows; r += WARPS) {
+    float v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = y[r * D + lane * N + i];
+    hadamard_warp<D, true>(v, lane);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
+    store_row<N>(p.o_part, 2, (part0 + r) * D + lane * N, v);
+  }
+}
+
 // The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
 // log2-sum-exp (plus the sink logit in the denominator), then the rotation back x = signs * H y / sqrt(D), cast to
 // q's dtype.  The cache parts hold outputs in the rotated domain; the fresh tokens are attended here in the model's
@@ -1613,17 +1643,19 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
     const int r = warp + k * WARPS;
     if (r >= rows) continue;
     const float inv = l_r[k] != 0.f ? 1.f / l_r[k] : 0.f;  // nothing seen: 0; NaN stays NaN
+    // A merge in its own launch at D = 512 (no counters) takes the part in the model's domain as it is.
+    const bool rotate = !model_domain_parts<D>(p);
     float y[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       float sum = 0.f;
       for (int g = 0; g < GROUPS; ++g) sum += o_s[(g * MAX_ROWS + r) * D + lane * N + i];
-      y[i] = sum * inv * signs[lane * N + i];
+      y[i] = sum * inv * (rotate ? signs[lane * N + i] : 1.f);
     }
-    hadamard_warp<D>(y, lane);
+    if (rotate) hadamard_warp<D>(y, lane);
     const size_t part = ((size_t)bh * p.num_parts + cta.part) * rows + r;
 #pragma unroll
-    for (int i = 0; i < N; ++i) p.o_part[part * D + lane * N + i] = y[i] * norm;
+    for (int i = 0; i < N; ++i) p.o_part[part * D + lane * N + i] = rotate ? y[i] * norm : y[i];
     if (lane == 0) p.lse_part[part] = l_r[k] != 0.f ? m_r[k] + log2f(l_r[k]) : -INFINITY;
   }
 }
@@ -2039,6 +2071,9 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
     // Every warp holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
     __syncthreads();  // the code tables are no longer read (the merge reuses their space)
     TURBOATTN_STAMP(0);
+    // A merge in its own launch takes the parts in the model's domain (model_domain_parts): the rows go through
+    // shared memory (q_rot, unused after the set-up) to be rotated back a row per warp.
+    const bool apart = model_domain_parts<D>(p);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 2 * c + e;
@@ -2046,13 +2081,17 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       const size_t part = ((size_t)bh * p.num_parts + split) * rows + r;
       // l is 0 when no key was visible; a NaN (a non-finite key that was seen) stays NaN.
       const float inv = l[e] != 0.f ? 1.f / l[e] : 0.f;
-      float* o = p.o_part + part * D;
+      float* o = apart ? q_rot + r * D : p.o_part + part * D;
 #pragma unroll
       for (int t = 0; t < S::DIM_TILES; ++t) {
         o[S::V::dim(vg, t, 0)] = l[e] != 0.f ? acc[t][e] * inv : 0.f;
         o[S::V::dim(vg, t, 1)] = l[e] != 0.f ? acc[t][2 + e] * inv : 0.f;
       }
       if (warp == 0 && g == 0) p.lse_part[part] = l[e] != 0.f ? m[e] + log2f(l[e]) : -INFINITY;
+    }
+    if (apart) {
+      __syncthreads();
+      store_parts_in_model_domain<D>(p, q_rot, signs, ((size_t)bh * p.num_parts + split) * rows, rows, warp, lane);
     }
     TURBOATTN_STAMP(5);
     TURBOATTN_STAMP(11);
@@ -2141,34 +2180,42 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
 }
 
 // The merge in a launch of its own, for calls whose parts are more than one CTA per (sequence, KV head) reads
-// quickly on the decode kernel's tail (ops/cached/config.cuda_merge_apart; the decode launch then runs without
-// counters and only writes its parts): one CTA of MERGE_THREADS threads per output row, so that the parts of a row
-// stream through one SM each instead of a head's rows through one.  Thread t owns float4 t % D4 of the row and sums
-// the parts t / D4, t / D4 + SETS, ... in order, MERGE_BATCH loads in flight; the sets' sums are added in order
-// (deterministic).  The part loads go out first; the log2-sum-exps, the sink and the fresh tokens' scores (warp 0)
-// give the weights meanwhile.  Then warp 0 rotates the row back, adds the fresh tokens' values and stores, as
-// merge_parts does.
+// quickly on the decode kernel's tail (ops/cached/config.cuda_merge_slices; the decode launch then runs without
+// counters and only writes its parts): SLICES (p.merge_slices) CTAs of MERGE_THREADS threads per output row, each a
+// contiguous slice of its dims, so that a head's parts stream through as many SMs as it has rows times slices
+// instead of a head's rows through one.  Slices need parts in the model's domain (model_domain_parts: D = 512);
+// below, one CTA per row takes the row whole.  Thread t owns float4 t % W of the slice (W float4s) and sums the
+// parts t / W, t / W + SETS, ... in order, MERGE_BATCH loads in flight; the sets' sums are added in order
+// (deterministic).  The part loads go out first; the log2-sum-exps, the sink and the fresh tokens' scores (warp 0;
+// every slice's CTA scores them whole) give the weights meanwhile.  Then the slice's threads add the fresh tokens'
+// values (over the same denominator) and store in q's dtype, as finish_row does; a row in the codes' domain goes
+// through finish_row itself (warp 0: the rotation back first).
 constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
-template <int D>
+template <int D, int SLICES>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p) {
-  constexpr int D4 = D / 4, SETS = MERGE_THREADS / D4, WARPS_M = MERGE_THREADS / 32;
+  // The slice: W float4s from dim0; a thread's float4 f of it, and its set of parts.
+  constexpr int WARPS_M = MERGE_THREADS / 32, W = D / 4 / SLICES, SETS = MERGE_THREADS / W;
+  // Parts in the codes' domain (model_domain_parts is false below D = 512): one CTA per row, which rotates back.
+  constexpr bool ROTATED = D < 512;
+  static_assert(!ROTATED || SLICES == 1, "a row in the codes' domain rotates back whole");
   __shared__ float weight[MAX_PARTS];
-  __shared__ __align__(16) float4 set_sum[SETS * D4];
-  __shared__ float y[D];
+  __shared__ __align__(16) float4 set_sum[MERGE_THREADS];
+  __shared__ __align__(16) float row_y[ROTATED ? D : 4];
   __shared__ float reduce[WARPS_M];
   __shared__ float fresh_s[MAX_ROWS];
   __shared__ float row_max, denominator;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rows = p.tq * p.group, parts = p.num_parts;
-  const int bh = blockIdx.x / rows, r = blockIdx.x % rows;
+  const int row = blockIdx.x / SLICES, dim0 = blockIdx.x % SLICES * W * 4;
+  const int bh = row / rows, r = row % rows;
   const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
   const int t = r / p.group, head = kvh * p.group + r % p.group;
   const size_t first = (size_t)bh * parts * rows + r;  // part q of this row: first + q rows
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
+  const int f = tid % W, set = tid / W;
   // This thread's first batch of parts goes out before anything waits.
-  const int f = tid % D4, set = tid / D4;
-  const float4* o = reinterpret_cast<const float4*>(p.o_part + first * D) + f;
-  const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of the row
+  const float4* o = reinterpret_cast<const float4*>(p.o_part + first * D + dim0) + f;
+  const size_t step = (size_t)rows * D / 4;  // float4s between consecutive parts of the row
   float4 x[MERGE_BATCH];
   auto load_batch = [&](int q0) {  // parts q0 + set, q0 + set + SETS, ...
 #pragma unroll
@@ -2232,28 +2279,55 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
       acc.x += w * x[j].x, acc.y += w * x[j].y, acc.z += w * x[j].z, acc.w += w * x[j].w;
     }
   }
-  set_sum[set * D4 + f] = acc;
+  set_sum[set * W + f] = acc;
   __syncthreads();
-  if (tid < D4) {
+  const int hq = p.num_kv_heads * p.group;
+  const size_t out_row = (((size_t)b * hq + head) * p.tq + t) * D;
+  const float denom = denominator, inv = denom != 0.f ? 1.f / denom : 0.f;  // NaN stays NaN
+  float y[4] = {};
+  if (tid < W) {
     float4 total = set_sum[tid];
     for (int k = 1; k < SETS; ++k) {
-      const float4 a = set_sum[k * D4 + tid];
+      const float4 a = set_sum[k * W + tid];
       total.x += a.x, total.y += a.y, total.z += a.z, total.w += a.w;
     }
-    const float inv = denominator != 0.f ? 1.f / denominator : 0.f;  // NaN stays NaN
-    reinterpret_cast<float4*>(y)[tid] = make_float4(total.x * inv, total.y * inv, total.z * inv, total.w * inv);
+    y[0] = total.x * inv, y[1] = total.y * inv, y[2] = total.z * inv, y[3] = total.w * inv;
   }
-  __syncthreads();
-  if (warp != 0) return;
-  const int hq = p.num_kv_heads * p.group;
-  finish_row<D>(p, y, p.signs, fresh_s, denominator, kv0, t, (((size_t)b * hq + head) * p.tq + t) * D, lane);
+  if constexpr (ROTATED) {  // warp 0 rotates the whole row back, adds the fresh tokens' values and stores
+    if (tid < W) reinterpret_cast<float4*>(row_y)[tid] = make_float4(y[0], y[1], y[2], y[3]);
+    __syncthreads();
+    if (warp == 0) finish_row<D>(p, row_y, p.signs, fresh_s, denom, kv0, t, out_row, lane);
+    return;
+  }
+  if (tid >= W) return;
+  const int d = dim0 + 4 * tid;
+  if (p.has_fresh && denom != 0.f) {  // the fresh tokens' weighted values, as finish_row adds them
+    float fresh[4] = {};
+#pragma unroll 1
+    for (int j = 0; j <= t; ++j) {
+      const float w = fresh_s[j];
+      if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
+      float v[4];
+      load_row<4>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d, v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) fresh[i] += w * v[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] += fresh[i] / denom;
+  }
+  store_row<4>(p.out, p.q_dtype, out_row + d, y);
 }
 
 // (As a programmatic dependent launch, its CTAs scheduled as the decode CTAs start or end and waiting for the
-// decode grid, it measured 0.97-1.00 of this: not kept.)
-template <int D>
+// decode grid, it measured 0.97-1.00 of this: not kept.  Nor were clusters of 2-8 CTAs per row that summed shares
+// of the parts and added them over distributed shared memory: 1.07-1.38 of one CTA per row.)
+template <int D, int SLICES = 1>
 int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  merge_rows<D><<<batch_kv_heads * params.tq * params.group, MERGE_THREADS, 0, stream>>>(params);
+  // Slices of 64 dims at least, at D = 512 (the binding checks merge_slices).
+  if constexpr (D >= 512 && 2 * SLICES <= D / 64) {
+    if (params.merge_slices > SLICES) return launch_merge<D, 2 * SLICES>(params, batch_kv_heads, stream);
+  }
+  merge_rows<D, SLICES><<<batch_kv_heads * params.tq * params.group * SLICES, MERGE_THREADS, 0, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 

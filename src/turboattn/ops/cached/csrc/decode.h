@@ -33,7 +33,8 @@ struct DecodeParams {
   float* lse_part;        // [B * Hkv * num_parts * rows]
   // Fused merge (counters non-null): the last CTA of each (sequence, KV head) merges the num_parts cache parts
   // with the fresh tokens (if any), adds the sinks, rotates back and writes out.  Without counters the decode
-  // launch only writes the parts, and merge_rows (a launch of its own) does the rest.
+  // launch only writes the parts (at D = 512 rotated back into the model's domain), and merge_rows (a launch of its
+  // own, merge_slices CTAs per output row, each a slice of the dims) does the rest.
   int* counters;          // [B * Hkv * COUNTERS_PER_HEAD] zeros; each merge leaves its counter at zero again
   void* out;              // [B, Hq, Tq, D] contiguous, q's dtype
   const float* sinks;     // [Hq] or nullptr
@@ -57,6 +58,7 @@ struct DecodeParams {
   int exact_recent, exact_first, exact_dtype;
   float q_scale, softcap;  // softcap 0: none
   int tq, capacity, window, num_kv_heads, group, num_splits, num_parts, ring, has_fresh, chunk_align;
+  int merge_slices;  // without counters: CTAs per output row of merge_rows (1; at D = 512 1, 2, 4 or 8)
 };
 
 }  // namespace turboattn
@@ -94,8 +96,8 @@ int launch_decode_d512_exact(const turboattn::DecodeParams& params, int k_bits, 
 int launch_decode_groups(const turboattn::DecodeParams& params, int head_dim, int group_a, int k_bits, int k_bits_b,
                          int v_bits, bool exact, int batch_kv_heads, void* stream);
 int ctas_per_sm_groups(int head_dim, int group_a, int k_bits, int k_bits_b, int v_bits, bool exact);
-// The merge in a launch of its own (decode.cuh: merge_rows), after a decode launch without counters: one CTA per
-// output row.  The CUDA error code (0: none).
+// The merge in a launch of its own (decode.cuh: merge_rows), after a decode launch without counters:
+// params.merge_slices CTAs per output row.  The CUDA error code (0: none).
 int launch_merge_d64(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
 int launch_merge_d128(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
 int launch_merge_d256(const turboattn::DecodeParams& params, int batch_kv_heads, void* stream);
