@@ -1037,6 +1037,27 @@ __device__ __forceinline__ void sum_parts_in_flight(const float4* o, Step step, 
   }
 }
 
+// The fresh tokens' weighted values (weights fresh_w[j] for the tokens j <= t that query token t sees, in the
+// model's domain) over the merge's denominator, added to N elements v of an output row: v[i] takes token j's value
+// element v_new[first + j kv_stride_t + i].
+template <int N>
+__device__ __forceinline__ void add_fresh_values(const DecodeParams& p, const float* fresh_w, float denom,
+                                                 long long first, int t, float (&v)[N]) {
+  if (!p.has_fresh || denom == 0.f) return;
+  float fresh[N] = {};
+#pragma unroll 1
+  for (int j = 0; j <= t; ++j) {
+    const float w = fresh_w[j];
+    if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
+    float x[N];
+    load_row<N>(p.v_new, p.q_dtype, first + j * p.kv_stride_t, x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) fresh[i] += w * x[i];
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
+}
+
 // A merged row's last steps, by one warp: the rotation back x = signs * H y / sqrt(D), the fresh tokens' weighted
 // values (in the model's domain, weights fresh_w[j] for the tokens j <= t that query token t sees) over the same
 // denominator as the cached parts, and the store in q's dtype at out_row.  y: the row in the rotated domain.
@@ -1052,20 +1073,7 @@ __device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y
   const float norm = rsqrtf((float)D);
 #pragma unroll
   for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
-  if (p.has_fresh && denom != 0.f) {
-    float fresh[N] = {};
-#pragma unroll 1
-    for (int j = 0; j <= t; ++j) {
-      const float w = fresh_w[j];
-      if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
-      float x[N];
-      load_row<N>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + lane * N, x);
-#pragma unroll
-      for (int i = 0; i < N; ++i) fresh[i] += w * x[i];
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += fresh[i] / denom;
-  }
+  add_fresh_values<N>(p, fresh_w, denom, kv0 + lane * N, t, v);
   store_row<N>(p.out, p.q_dtype, out_row + lane * N, v);
 }
 
@@ -1076,8 +1084,10 @@ __device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y
 // the keys rather than the dims, so that rotating adds a barrier and a shared-memory pass after they are combined
 // (BENCHMARKS.md): there the parts stay in the codes' domain and the merge launch takes one CTA per row.
 template <int D>
+__host__ __device__ constexpr bool rotates_parts_back() { return D >= 512; }  // the head dims that do it
+template <int D>
 __device__ __forceinline__ bool model_domain_parts(const DecodeParams& p) {
-  return D >= 512 && p.counters == nullptr;
+  return rotates_parts_back<D>() && p.counters == nullptr;
 }
 
 // Parts in the model's domain (model_domain_parts): the rows' normalized outputs y (shared [rows][D], in the codes'
@@ -2196,7 +2206,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   // The slice: W float4s from dim0; a thread's float4 f of it, and its set of parts.
   constexpr int WARPS_M = MERGE_THREADS / 32, W = D / 4 / SLICES, SETS = MERGE_THREADS / W;
   // Parts in the codes' domain (model_domain_parts is false below D = 512): one CTA per row, which rotates back.
-  constexpr bool ROTATED = D < 512;
+  constexpr bool ROTATED = !rotates_parts_back<D>();
   static_assert(!ROTATED || SLICES == 1, "a row in the codes' domain rotates back whole");
   __shared__ float weight[MAX_PARTS];
   __shared__ __align__(16) float4 set_sum[MERGE_THREADS];
@@ -2301,20 +2311,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   }
   if (tid >= W) return;
   const int d = dim0 + 4 * tid;
-  if (p.has_fresh && denom != 0.f) {  // the fresh tokens' weighted values, as finish_row adds them
-    float fresh[4] = {};
-#pragma unroll 1
-    for (int j = 0; j <= t; ++j) {
-      const float w = fresh_s[j];
-      if (isnan(w)) continue;  // never 0 x inf: the denominator is NaN already
-      float v[4];
-      load_row<4>(p.v_new, p.q_dtype, kv0 + j * p.kv_stride_t + d, v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) fresh[i] += w * v[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) y[i] += fresh[i] / denom;
-  }
+  add_fresh_values<4>(p, fresh_s, denom, kv0 + d, t, y);
   store_row<4>(p.out, p.q_dtype, out_row + d, y);
 }
 
@@ -2323,8 +2320,8 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
 // of the parts and added them over distributed shared memory: 1.07-1.38 of one CTA per row.)
 template <int D, int SLICES = 1>
 int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  // Slices of 64 dims at least, at D = 512 (the binding checks merge_slices).
-  if constexpr (D >= 512 && 2 * SLICES <= D / 64) {
+  // Slices of 64 dims at least, of parts in the model's domain (the binding checks merge_slices).
+  if constexpr (rotates_parts_back<D>() && 2 * SLICES <= D / 64) {
     if (params.merge_slices > SLICES) return launch_merge<D, 2 * SLICES>(params, batch_kv_heads, stream);
   }
   merge_rows<D, SLICES><<<batch_kv_heads * params.tq * params.group * SLICES, MERGE_THREADS, 0, stream>>>(params);
