@@ -211,9 +211,10 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     same space holds after the main loop, the static arrays (with the q fragments at D = 256 unless k_bits +
     v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
     no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a two-tile
-    step's). Registers: 4 CTAs (128 per thread) for k4v4 and k2v2 at D <= 128 and k3v3's plain build at D = 128,
-    for equal widths of at most 4 bits at D = 64 and for every pair of the exact-row build at D = 64, 3 for other
-    pairs, 2 at D = 256 and at D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
+    step's). Registers: 4 CTAs (128 per thread) for k4v4, k2v2 and k3v3's plain build at D = 128, k4v4's and k2v2's
+    exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain
+    D = 64 kernels of codes up to 4 bits, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256 and at
+    D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and head_dim > 128 else 128)
@@ -229,6 +230,8 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
     if head_dim in (256, 512):
         by_regs = 2
+    elif head_dim == 64 and not exact and not isinstance(k_bits, tuple) and max(k_bits, v_bits) <= 4:
+        by_regs = 3   # two-tile steps (decode.cuh: Shape::STEP_TILES), 168 registers
     else:
         four = ((k_bits, v_bits) in ((4, 4), (2, 2)) or (head_dim == 64 and k_bits == v_bits and k_bits <= 4)
                 or (exact and head_dim == 64) or (head_dim == 128 and (k_bits, v_bits) == (3, 3) and not exact))

@@ -608,8 +608,9 @@ struct KTableWords<true, K, KTable> { static constexpr int value = K::TABLE_WORD
 
 constexpr int Q_REGISTER_BITS = 6;  // Shape::Q_IN_SMEM (ops/cached/config.py: CUDA_Q_REGISTER_BITS)
 
-// GA > 0: keys in two channel groups (KeyGroups: GA channels at KB bits, D - GA at KB2).
-template <int D, int KB, int VB, int GA = 0, int KB2 = 0>
+// GA > 0: keys in two channel groups (KeyGroups: GA channels at KB bits, D - GA at KB2).  EXACT: the build for
+// caches with exact rows (only the main loop's step differs, at D = 64).
+template <int D, int KB, int VB, int GA = 0, int KB2 = 0, bool EXACT = false>
 struct Shape {
   static constexpr int SLICES = slices<D>();
   static constexpr bool SLICED = SLICES > 1;
@@ -632,8 +633,15 @@ struct Shape {
   // (1-2 warps per scheduler) lack.  It holds two tiles' loads in flight.  Against one-tile steps (H200,
   // BENCHMARKS.md): every pair at D = 512 0.96-0.98; k2v2 at D = 256 0.91-0.99 and k4v2 0.94-1.00.  Slower or
   // spilling: k2v4 (72 bytes) and k4v4 (84) at D = 256 1.03-1.06; k3v3, k5v3 and pairs with an 8-bit side spill
-  // over 100 bytes there.
-  static constexpr int STEP_TILES = D == 512 || (D == 256 && !GROUPED && (KB == 2 || KB == 4) && VB == 2) ? 2 : 1;
+  // over 100 bytes there.  At D = 64 the plain kernels of codes up to 4 bits take it too, on 3 CTAs per SM (162-168
+  // registers, no spill) where k2v2, k3v3 and k4v4 ran 4 with one-tile steps: 0.91-0.96 of the one-tile kernels at
+  // 8 sequences x 3 KV heads x 16K, 0.92-0.93 at B = 1 x 32K and B = 32 x 4K (k4v4), against k8v8's 1.02 (16 bytes
+  // spilled: pairs with a wider side keep one-tile steps), H200.  The exact-row build keeps one tile and 4 CTAs,
+  // which let the exact CTAs share the splits' wave (ctas_per_sm).
+  static constexpr int STEP_TILES = D == 512 || (D == 64 && !EXACT && !GROUPED && KB <= 4 && VB <= 4) ||
+                                            (D == 256 && !GROUPED && (KB == 2 || KB == 4) && VB == 2)
+                                        ? 2
+                                        : 1;
   // Tiles a warp keeps loading ahead of the one it computes: two for a two-tile step, and for k4v4 at D = 256
   // (0.94-1.01 of one, H100); one elsewhere: at D = 256 k3v3 (1.01-1.05) and k2v4, k2v8, k8v2 (1.01-1.04) ran
   // slower with two, and k5v5, k6v6 and k8v8 would spill 192-224 bytes.
@@ -1309,7 +1317,7 @@ constexpr int ctas_per_sm() {
   // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, the merge's small weights,
   // statistics; an upper bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
   // Sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
-  using S = Shape<D, KB, VB, GA, KB2>;
+  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
   constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
                                (S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
   constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
@@ -1322,9 +1330,12 @@ constexpr int ctas_per_sm() {
   // exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact CTAs share the splits'
   // wave (default preset, B=8: 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4
   // than at 3.  Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH; two tiles
-  // spill on 3, and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256 2.
-  constexpr bool four = (KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
-                        (EXACT && D == 64) || (D == 128 && KB == 3 && VB == 3 && !EXACT);
+  // spill on 3, and on 4 k4v4 spilled 124 bytes with one).  The plain D = 64 kernels in two-tile steps
+  // (Shape::STEP_TILES: codes up to 4 bits) take 3, whose 168 registers hold both tiles.  Other pairs take 3,
+  // D = 256 2.
+  constexpr bool four = !(D == 64 && S::STEP_TILES == 2) &&
+                        ((KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
+                         (EXACT && D == 64) || (D == 128 && KB == 3 && VB == 3 && !EXACT));
   constexpr int by_regs = D == 256 || D == 512 ? 2 : four ? 4 : 3;
   return by_smem < by_regs ? by_smem : by_regs;
 }
@@ -1675,7 +1686,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
 __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA, KB2>()))
     decode(const DecodeParams p) {
-  using S = Shape<D, KB, VB, GA, KB2>;
+  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
   // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
   // warps' row statistics.
   uint32_t* const k_table = code_tables;
