@@ -230,11 +230,10 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
     if head_dim in (256, 512):
         by_regs = 2
-    elif head_dim == 64 and not exact and not isinstance(k_bits, tuple) and max(k_bits, v_bits) <= 4:
-        by_regs = 3   # two-tile steps (decode.cuh: Shape::STEP_TILES), 168 registers
+    elif head_dim == 64:
+        by_regs = 4 if exact else 3
     else:
-        four = ((k_bits, v_bits) in ((4, 4), (2, 2)) or (head_dim == 64 and k_bits == v_bits and k_bits <= 4)
-                or (exact and head_dim == 64) or (head_dim == 128 and (k_bits, v_bits) == (3, 3) and not exact))
+        four = (k_bits, v_bits) in ((4, 4), (2, 2)) or (head_dim == 128 and (k_bits, v_bits) == (3, 3) and not exact)
         by_regs = 4 if four else 3
     return min(by_smem, by_regs)
 

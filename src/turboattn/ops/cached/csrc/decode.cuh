@@ -1328,14 +1328,13 @@ constexpr int ctas_per_sm() {
   // bytes there (56 before, when 3 CTAs ran 3-6% faster) and takes 0.85-1.01 of its time at 3.  Its exact-row build
   // would spill 68 bytes and k4v3 16 (up to 7% slower at 4): they take 3.  At D = 64 the kernels for caches with
   // exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact CTAs share the splits'
-  // wave (default preset, B=8: 12-14% faster), while the plain kernels of the other pairs ran up to 7% slower at 4
-  // than at 3.  Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH; two tiles
-  // spill on 3, and on 4 k4v4 spilled 124 bytes with one).  The plain D = 64 kernels in two-tile steps
-  // (Shape::STEP_TILES: codes up to 4 bits) take 3, whose 168 registers hold both tiles.  Other pairs take 3,
-  // D = 256 2.
-  constexpr bool four = !(D == 64 && S::STEP_TILES == 2) &&
-                        ((KB == 4 && VB == 4) || (KB == 2 && VB == 2) || (D == 64 && KB == VB && KB <= 4) ||
-                         (EXACT && D == 64) || (D == 128 && KB == 3 && VB == 3 && !EXACT));
+  // wave (default preset, B=8: 12-14% faster); the plain kernels take 3: those of codes up to 4 bits walk two-tile
+  // steps (Shape::STEP_TILES), whose 168 registers hold both tiles, and the other pairs ran up to 7% slower at 4.
+  // Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH; two tiles spill on 3,
+  // and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256 2.
+  constexpr bool four = D == 64 ? EXACT
+                                : (KB == 4 && VB == 4) || (KB == 2 && VB == 2) ||
+                                      (D == 128 && KB == 3 && VB == 3 && !EXACT);
   constexpr int by_regs = D == 256 || D == 512 ? 2 : four ? 4 : 3;
   return by_smem < by_regs ? by_smem : by_regs;
 }
