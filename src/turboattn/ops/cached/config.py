@@ -74,20 +74,20 @@ CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 
 # The merge: on the kernel's tail, the last CTA of each (sequence, KV head) to finish reads every part (rows x D
 # floats each), counted in by one arrival counter per (sequence, KV head) (csrc/decode.h's COUNTERS_PER_HEAD; a GPU
 # test compares them).  From CUDA_MERGE_APART floats of parts per (sequence, KV head) a second launch merges them
-# instead, one CTA per output row (csrc/decode.cuh: merge_rows; at D = 512 one per slice of a row, cuda_merge_slices),
-# so that a head's parts stream through as many SMs as it has rows.  The bound comes from both merges on 19 shapes
-# (H200, k4v4, benchmarks/decode_merge_apart_h200.json): apart, one sequence x 2 KV heads x 8 rows x 128 parts at D = 512 took
-# 38.9 against 45.2 us, 4 rows x 128 parts at D = 256 15.9 against 21.3, 4 rows x 64 parts at D = 128 17.9 against
-# 19.8; at 16K floats 0.97-1.00 of the fused time; below, slower (8 sequences x 3 KV heads x 3 rows x 22 parts at
-# D = 64: 22.0 against 20.1; 32 x 8 heads x 2 parts at D = 128: 125.7 against 99.7), the second launch costing more
-# than the tail's merges.
+# instead, one CTA per output row (csrc/decode.cuh: merge_rows; at D = 512 one per slice of a row,
+# cuda_merge_slices), so that a head's parts stream through as many SMs as it has rows.  The bound comes from both
+# merges on 19 shapes (H200, k4v4, benchmarks/decode_merge_apart_h200.json): apart, one sequence x 2 KV heads x 8
+# rows x 128 parts at D = 512 took 38.9 against 45.2 us, 4 rows x 128 parts at D = 256 15.9 against 21.3, 4 rows x
+# 64 parts at D = 128 17.9 against 19.8; at 16K floats 0.97-1.00 of the fused time; below, slower (8 sequences x 3
+# KV heads x 3 rows x 22 parts at D = 64: 22.0 against 20.1; 32 x 8 heads x 2 parts at D = 128: 125.7 against 99.7),
+# the second launch costing more than the tail's merges.
 CUDA_COUNTERS_PER_HEAD = 1
 CUDA_MERGE_APART = 16 * 1024
 # At D = 512 the merge launch gives each output row up to head_dim / CUDA_MERGE_SLICE_DIMS CTAs, each a slice of its
 # dims, while the launch stays within one CTA per SM (cuda_merge_slices).  Each CTA computes the row's weights
 # itself, so more, smaller CTAs pay that again: H100, k4v4, 8 sequences x 2 KV heads x 8 rows x 16 parts at D = 512
 # took 56.7 us with 8 slices (1,024 CTAs) against 50.1 with one (BENCHMARKS.md).
-CUDA_MERGE_SLICE_DIMS = 64
+CUDA_MERGE_SLICE_DIMS = 64   # csrc/decode.h: MERGE_SLICE_DIMS
 
 
 def cuda_num_splits(resident: int, batch_kv_heads: int, head_dim: int, max_tokens: int,

@@ -135,8 +135,8 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   // of D / merge_slices dims), and the decode launch only writes the parts; 0: the fused merge.
   const bool merge_apart = merge_slices > 0;
   TORCH_CHECK(merge_apart || counters.has_value(), "turboattn decode: the fused merge needs the arrival counters");
-  // Slices of a row need parts in the model's domain, which the kernel writes at D = 512 (decode.cuh).
-  const int most_slices = head_dim >= 512 ? head_dim / 64 : 1;
+  // Slices of a row need parts in the model's domain, which the kernel writes at D = 512 (decode.h).
+  const int most_slices = turboattn::most_merge_slices(head_dim);
   TORCH_CHECK(merge_slices >= 0 && merge_slices <= most_slices && (merge_slices & (merge_slices - 1)) == 0,
               "turboattn decode: merge_slices must be 0 or a power of two of at most ", most_slices, " at head_dim ",
               head_dim, ", got ", merge_slices);

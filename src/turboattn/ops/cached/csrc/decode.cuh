@@ -1092,7 +1092,7 @@ __device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y
 // the keys rather than the dims, so that rotating adds a barrier and a shared-memory pass after they are combined
 // (BENCHMARKS.md): there the parts stay in the codes' domain and the merge launch takes one CTA per row.
 template <int D>
-__host__ __device__ constexpr bool rotates_parts_back() { return D >= 512; }  // the head dims that do it
+__host__ __device__ constexpr bool rotates_parts_back() { return D >= 512; }  // decode.h: most_merge_slices
 template <int D>
 __device__ __forceinline__ bool model_domain_parts(const DecodeParams& p) {
   return rotates_parts_back<D>() && p.counters == nullptr;
@@ -2330,8 +2330,8 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
 // of the parts and added them over distributed shared memory: 1.07-1.38 of one CTA per row.)
 template <int D, int SLICES = 1>
 int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  // Slices of 64 dims at least, of parts in the model's domain (the binding checks merge_slices).
-  if constexpr (rotates_parts_back<D>() && 2 * SLICES <= D / 64) {
+  // Up to most_merge_slices(D) (the binding checks merge_slices).
+  if constexpr (2 * SLICES <= most_merge_slices(D)) {
     if (params.merge_slices > SLICES) return launch_merge<D, 2 * SLICES>(params, batch_kv_heads, stream);
   }
   merge_rows<D, SLICES><<<batch_kv_heads * params.tq * params.group * SLICES, MERGE_THREADS, 0, stream>>>(params);

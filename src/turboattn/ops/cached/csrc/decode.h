@@ -8,6 +8,11 @@ namespace turboattn {
 constexpr int MAX_PARTS = 1024;
 // Arrival counters per (sequence, KV head): the fused merge's (ops/cached/config.py: CUDA_COUNTERS_PER_HEAD).
 constexpr int COUNTERS_PER_HEAD = 1;
+// The merge launch's slices of an output row (decode.cuh: merge_rows): at least MERGE_SLICE_DIMS dims each
+// (ops/cached/config.py: CUDA_MERGE_SLICE_DIMS), and several only where the decode kernel writes its parts in the
+// model's domain, at D = 512 (decode.cuh: rotates_parts_back).
+constexpr int MERGE_SLICE_DIMS = 64;
+constexpr int most_merge_slices(int head_dim) { return head_dim >= 512 ? head_dim / MERGE_SLICE_DIMS : 1; }
 
 struct DecodeParams {
   const void* q;
