@@ -43,6 +43,11 @@ def test_wave_fill_is_a_share_of_the_slots(ctas, resident):
     assert (fill == 1) == (ctas % resident == 0)
 
 
+def test_chunk_alignment_is_whole_tiles_and_a_power_of_two():
+    # The kernel rounds chunks up with a mask, and the binding rejects other alignments (csrc/decode.cuh, binding.cpp).
+    assert CUDA_CHUNK_ALIGN % 16 == 0 and CUDA_CHUNK_ALIGN & (CUDA_CHUNK_ALIGN - 1) == 0
+
+
 def _chunk(tokens: int, splits: int) -> int:
     """Keys per split as the kernel cuts them (csrc/decode.cuh: ceil(held / splits), rounded up to the alignment)."""
     return -(-(-(-tokens // splits)) // CUDA_CHUNK_ALIGN) * CUDA_CHUNK_ALIGN

@@ -70,7 +70,7 @@ CUDA_EXACT_SPREAD_WAVES = 1.5
 # threads and each thread one round of loads; at D = 64 two CTAs for the presets' 68 rows (H100, one sequence x 3 KV
 # heads at L=32K: 19.2 against 23.5 µs with one; B=32 L=8K 47.8 against 51.7).
 CUDA_EXACT_ROWS_PER_CTA = {64: 64, 128: 32, 256: 16, 512: 16}
-CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys (a multiple of the kernel's 16-key tile)
+CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys: a multiple of the kernel's 16-key tile and a power of two (a mask)
 # The merge: on the kernel's tail, the last CTA of each (sequence, KV head) to finish reads every part (rows x D
 # floats each), counted in by one arrival counter per (sequence, KV head) (csrc/decode.h's COUNTERS_PER_HEAD; a GPU
 # test compares them).  From CUDA_MERGE_APART floats of parts per (sequence, KV head) a second launch merges them

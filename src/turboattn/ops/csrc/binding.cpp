@@ -118,12 +118,21 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
   p.ring = ring;
   p.has_fresh = has_fresh && k_new.has_value();
   p.chunk_align = chunk_align;
+  TORCH_CHECK(chunk_align > 0 && (chunk_align & (chunk_align - 1)) == 0, "turboattn decode: chunk_align must be a "
+              "power of two, got ", chunk_align);
+  TORCH_CHECK(num_splits >= 1, "turboattn decode: at least one split, got ", num_splits);
+  p.batch_kv_heads = k_codes.size(0) * k_codes.size(1);
+  p.splits_div = turboattn::make_divisor(p.num_splits);
+  p.kv_heads_div = turboattn::make_divisor(p.num_kv_heads);
+  p.group_div = turboattn::make_divisor(p.group);
+  p.rows_div = turboattn::make_divisor(p.tq * p.group);
+  p.capacity_div = turboattn::make_divisor(p.capacity);
   // The bit widths pick the kernel; it builds its code tables from the codebooks compiled in (csrc/codebooks.h).
   const int k_bits = static_cast<int>(k_bits_arg);
   const int v_bits = static_cast<int>(v_bits_arg);
   const c10::cuda::CUDAGuard guard(q.device());
   void* stream = at::cuda::getCurrentCUDAStream().stream();
-  const int batch_kv_heads = k_codes.size(0) * k_codes.size(1);
+  const int batch_kv_heads = p.batch_kv_heads;
   const int head_dim = q.size(3);
   const bool exact = p.exact_recent > 0 || p.exact_first > 0;
   // With exact rows, parts past the splits are the exact CTAs' (one or more: ops/cached/config.cuda_exact_parts).

@@ -962,8 +962,11 @@ struct CtaIndex {
   int part, bh;
 };
 __device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
-  const int block = blockIdx.x, split_blocks = p.num_splits * (gridDim.x / p.num_parts);
-  if (block < split_blocks) return {block % p.num_splits, block / p.num_splits};
+  const int block = blockIdx.x, split_blocks = p.num_splits * p.batch_kv_heads;
+  if (block < split_blocks) {
+    const int bh = quotient(p.splits_div, block);
+    return {block - bh * p.num_splits, bh};
+  }
   return {p.num_splits, block - split_blocks};   // an exact CTA: exact_cta_index has its part and head
 }
 
@@ -1138,12 +1141,14 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
                                             const float* signs, int num_parts) {
   // b and kvh are recomputed here (the main loop need not keep them alive); bh comes from the caller.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads, rows = p.tq * p.group;
   const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q rows + r
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
   constexpr int D4 = D / 4, BATCH = 16, THREADS = WARPS * 32;
   const int outputs = rows * D4;
-  const int groups = outputs < THREADS ? THREADS / outputs : 1;
+  // i / outputs, as the row count's quotient of i / D4 (D4 a power of two).
+  auto set_of = [&](int i) { return quotient(p.rows_div, i / D4); };
+  const int groups = outputs < THREADS ? set_of(THREADS) : 1;
   const size_t step = (size_t)rows * D4;  // float4s between consecutive parts of a row
   float4 part[BATCH];
   const bool small_weights = rows * num_parts <= SMALL_WORDS;
@@ -1154,7 +1159,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   int staged = 0;
   // Work item i: output float4 i % outputs, parts i / outputs + k groups; part q of its output at parts_of(i) + q step.
   auto parts_of = [&](int i) {
-    const int o4 = i % outputs;
+    const int o4 = i - set_of(i) * outputs;
     return reinterpret_cast<const float4*>(p.o_part + (first + o4 / D4) * D) + o4 % D4;
   };
   auto load_batch = [&](int i, int q0) {
@@ -1174,10 +1179,10 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
     lse_first[k] = r < rows && lane < num_parts ? __ldcg(p.lse_part + first + (size_t)lane * rows + r) : 0.f;
   }
   if (tid < outputs * groups) {
-    load_batch(tid, tid / outputs);
+    load_batch(tid, set_of(tid));
     const float4* o = parts_of(tid);
     for (int j = 0; j < stage_slots; ++j) {
-      const int q = tid / outputs + (BATCH + j) * groups;
+      const int q = set_of(tid) + (BATCH + j) * groups;
       if (q >= num_parts) break;
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + j * THREADS + tid));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(o + q * step));
@@ -1189,7 +1194,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   for (int k = 0; k < RPW; ++k) {
     const int r = warp + k * WARPS;
     if (r >= rows) break;
-    const int t = r / p.group, head = kvh * p.group + r % p.group;
+    const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
     const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
     float* w_row = weight + r * num_parts;
     // The parts' log2-sum-exps, staged in w_row (one L2 round trip, issued before the fresh tokens' loads).
@@ -1234,10 +1239,10 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   constexpr bool OTHERS_TOGETHER = ITEMS > 2;
   for (int i = tid; i < outputs * groups; i += THREADS) {
     if (OTHERS_TOGETHER && i != tid) break;
-    const int o4 = i % outputs, r = o4 / D4;
+    const int o4 = i - set_of(i) * outputs, r = o4 / D4;
     const float* w = weight + r * num_parts;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    int q_next = i / outputs;
+    int q_next = set_of(i);
     if (i == tid) {  // the thread's first item: a batch in `part`, the next `staged` parts in shared memory
 #pragma unroll
       for (int j = 0; j < BATCH; ++j) {
@@ -1303,7 +1308,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   // Rotation back, one row per warp, and the store.
   const int hq = p.num_kv_heads * p.group;
   for (int r = warp; r < rows; r += WARPS) {
-    const int t = r / p.group, head = kvh * p.group + r % p.group;
+    const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
     finish_row<D>(p, y + r * D, signs, fresh_p + r * MAX_ROWS, denominator[r], kv0, t,
                   (((size_t)b * hq + head) * p.tq + t) * D, lane);
   }
@@ -1448,7 +1453,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
   constexpr int PPT = PAIRS > THREADS ? PAIRS / THREADS : 1;
   static_assert(PAIRS % THREADS == 0 || THREADS % PAIRS == 0, "pairs of dims spread evenly over the threads");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bh = cta.bh, b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads, rows = p.tq * p.group;
+  const int bh = cta.bh, b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads, rows = p.tq * p.group;
   const int seen = p.seen[b], start = p.starts[b];
   const int qpos_base = p.has_fresh ? seen : seen - p.tq;
   const int S = p.exact_first, R = p.exact_recent;
@@ -1465,7 +1470,8 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
   {  // q: thread t takes QPT consecutive dims of row t / (D / QPT)
     constexpr int QPT = MAX_ROWS * D / THREADS;
     static_assert(D % QPT == 0, "a thread's dims of q lie in one row");
-    const int r = tid / (D / QPT), d0 = tid % (D / QPT) * QPT, t = r / p.group, h = kvh * p.group + r % p.group;
+    const int r = tid / (D / QPT), d0 = tid % (D / QPT) * QPT, t = quotient(p.group_div, r);
+    const int h = kvh * p.group + r - t * p.group;
     float x[QPT] = {};
     if (r < rows) load_row<QPT>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + d0, x);
 #pragma unroll
@@ -1564,7 +1570,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
         finite = __shfl_xor_sync(0xffffffffu, (int)finite, o) && finite;
       }
       for (int r = 0; r < MAX_ROWS; ++r) {
-        const int qpos = qpos_base + r / p.group;
+        const int qpos = qpos_base + quotient(p.group_div, r);
         float x = -INFINITY;
         if (kr != nullptr && r < rows && pos <= qpos && (p.window <= 0 || qpos - pos < p.window)) {
           x = dot[r] * p.q_scale;
@@ -1705,7 +1711,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   const int g = lane >> 2, c = lane & 3;
   const CtaIndex cta = cta_index(p);
   const int split = cta.part, bh = cta.bh;
-  const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
+  const int b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads;
   const int rows = p.tq * p.group;
   TURBOATTN_STAMP(10);
   TURBOATTN_STAMP(1);
@@ -1731,18 +1737,20 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   // precision by the exact part instead.
   const int code_lo = start + p.exact_first, code_hi = seen - p.exact_recent;
   const int held = min(seen, p.capacity);
-  int chunk = (held + p.num_splits - 1) / p.num_splits;
-  chunk = (chunk + p.chunk_align - 1) / p.chunk_align * p.chunk_align;
+  int chunk = quotient(p.splits_div, held + p.num_splits - 1);
+  chunk = (chunk + p.chunk_align - 1) & -p.chunk_align;
   const int lo = split * chunk;
   int hi = min(lo + chunk, held);
   const int qpos_base = p.has_fresh ? seen : seen - p.tq;
   const int qpos_last = qpos_base + p.tq - 1;
   if (!p.ring) hi = min(hi, qpos_last + 1);
   // Ring slots hold positions pos = slot + ring_base, minus capacity past the newest slot (ring_wrap).
-  const int ring_wrap = (seen - 1) % p.capacity, ring_base = (seen - 1) - ring_wrap;
+  // (An empty cache, seen = 0, reads no tile: its wrap is never used.)
+  const int newest = max(seen - 1, 0), ring_wrap = newest - quotient(p.capacity_div, newest) * p.capacity;
+  const int ring_base = newest - ring_wrap;
   auto position = [&](int slot) { return p.ring ? slot + ring_base - (slot > ring_wrap ? p.capacity : 0) : slot; };
   // This lane's score rows are 2c and 2c + 1 (rows past `rows` hold zero queries and are never stored).
-  const int qpos[2] = {qpos_base + (2 * c) / p.group, qpos_base + (2 * c + 1) / p.group};
+  const int qpos[2] = {qpos_base + quotient(p.group_div, 2 * c), qpos_base + quotient(p.group_div, 2 * c + 1)};
 
   const size_t row0 = (size_t)bh * p.capacity;
   const int scale_bytes = p.scale_bf16 ? 2 : 4;
@@ -1808,7 +1816,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   }
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
-    const int r = warp + k * WARPS, t = r / p.group, h = kvh * p.group + r % p.group;
+    const int r = warp + k * WARPS, t = quotient(p.group_div, r), h = kvh * p.group + r - t * p.group;
     if (r < rows) {
       load_row<N>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N, qx[k]);
     } else {
@@ -2227,9 +2235,9 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rows = p.tq * p.group, parts = p.num_parts;
   const int row = blockIdx.x / SLICES, dim0 = blockIdx.x % SLICES * W * 4;
-  const int bh = row / rows, r = row % rows;
-  const int b = bh / p.num_kv_heads, kvh = bh % p.num_kv_heads;
-  const int t = r / p.group, head = kvh * p.group + r % p.group;
+  const int bh = quotient(p.rows_div, row), r = row - bh * rows;
+  const int b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads;
+  const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
   const size_t first = (size_t)bh * parts * rows + r;  // part q of this row: first + q rows
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
   const int f = tid % W, set = tid / W;

@@ -14,6 +14,31 @@ constexpr int COUNTERS_PER_HEAD = 1;
 constexpr int MERGE_SLICE_DIMS = 64;
 constexpr int most_merge_slices(int head_dim) { return head_dim >= 512 ? head_dim / MERGE_SLICE_DIMS : 1; }
 
+// A divisor fixed at launch (1 <= d < 2^31), for the quotient of a non-negative int below 2^31 in one high
+// multiply and a shift: mul = ceil(2^(31 + L) / d) with L = ceil(log2 d), so mul < 2^32 and the error
+// mul d - 2^(31 + L) < d <= 2^L keeps n mul / 2^(31 + L) below the next integer for every n < 2^31; d = 1 takes the
+// numerator itself.  The set-up's quotients (the CTA's split and head, the chunk, query rows by the GQA group, the
+// ring's wrap) and the merge's were integer divisions of about 20 dependent instructions each, the set-up's ahead of
+// the first tile's loads.
+struct Divisor {
+  int d;
+  uint32_t mul, shift;
+};
+inline Divisor make_divisor(int d) {
+  Divisor v{d, 0u, 0u};
+  if (d <= 1) return v;
+  int bits = 0;
+  while ((1ll << bits) < d) ++bits;
+  v.mul = static_cast<uint32_t>(((1ull << (31 + bits)) + static_cast<unsigned long long>(d) - 1) / d);
+  v.shift = static_cast<uint32_t>(bits - 1);
+  return v;
+}
+#ifdef __CUDACC__
+__device__ __forceinline__ int quotient(const Divisor& v, int n) {
+  return v.d == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), v.mul) >> v.shift);
+}
+#endif
+
 struct DecodeParams {
   const void* q;
   long long q_stride_b, q_stride_h, q_stride_t;
@@ -62,7 +87,11 @@ struct DecodeParams {
   long long first_stride_b, first_stride_h, first_stride_t;
   int exact_recent, exact_first, exact_dtype;
   float q_scale, softcap;  // softcap 0: none
+  // chunk_align: split boundaries, in keys, a power of two (the kernel rounds chunks up with a mask).
   int tq, capacity, window, num_kv_heads, group, num_splits, num_parts, ring, has_fresh, chunk_align;
+  int batch_kv_heads;  // B x Hkv: the grid is num_parts x batch_kv_heads CTAs
+  Divisor splits_div, kv_heads_div, group_div, rows_div, capacity_div;  // of num_splits, num_kv_heads, group,
+                                                                       // tq x group, capacity
   int merge_slices;  // without counters: CTAs per output row of merge_rows (1; at D = 512 1, 2, 4 or 8)
 };
 
