@@ -90,8 +90,8 @@ struct DecodeParams {
   // chunk_align: split boundaries, in keys, a power of two (the kernel rounds chunks up with a mask).
   int tq, capacity, window, num_kv_heads, group, num_splits, num_parts, ring, has_fresh, chunk_align;
   int batch_kv_heads;  // B x Hkv: the grid is num_parts x batch_kv_heads CTAs
-  Divisor splits_div, kv_heads_div, group_div, rows_div, capacity_div;  // of num_splits, num_kv_heads, group,
-                                                                       // tq x group, capacity
+  // num_splits, num_kv_heads, group, the query rows (tq x group) and capacity as divisors (the binding makes them).
+  Divisor splits_div, kv_heads_div, group_div, rows_div, capacity_div;
   int merge_slices;  // without counters: CTAs per output row of merge_rows (1; at D = 512 1, 2, 4 or 8)
 };
 
