@@ -1,4 +1,5 @@
-"""Lloyd–Max codebooks of N(0,1): the published tables, the Lloyd conditions, convergence.
+"""Codebooks of N(0,1): Lloyd–Max (the published tables, the Lloyd conditions, convergence) and the 8-bit uniform
+levels.
 
 The checks that do not go through codebook.py's own formulas integrate the
 normal density with Gauss–Legendre quadrature per cell (the integrand is
@@ -18,6 +19,7 @@ import torch
 from turboattn.format import codebook
 
 ALL_BITS = range(codebook.MIN_BITS, codebook.MAX_BITS + 1)
+LLOYD_MAX_FORMAT_BITS = [b for b in ALL_BITS if b not in codebook.UNIFORM_BITS]
 TABLE_4BIT = (0.1283950, 0.3880483, 0.6567591, 0.9423405, 1.2562312, 1.6180464, 2.0690172, 2.7325896)
 # Published MSEs (Max 1960; 1 bit exact): each to half a unit in its last printed digit.
 KNOWN_MSE = {1: (1 - 2 / math.pi, 1e-14), 2: (0.1175, 0.5e-4), 3: (0.03455, 0.5e-5), 4: (0.009501, 0.5e-6)}
@@ -67,9 +69,10 @@ def test_4bit_table_matches_published_values():
         torch.testing.assert_close(c[:8], -torch.tensor(TABLE_4BIT[::-1], dtype=torch.float64), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("bits", LLOYD_MAX_FORMAT_BITS)
 def test_table_shape_order_symmetry_and_boundaries(bits):
     c = codebook.centroids(bits, torch.float64)
+    assert torch.equal(c, codebook.lloyd_max(bits, torch.float64))
     t = codebook.boundaries(bits, torch.float64)
     assert c.shape == (2**bits,) and t.shape == (2**bits - 1,)
     assert bool((c[1:] > c[:-1]).all())
@@ -82,7 +85,7 @@ def test_table_shape_order_symmetry_and_boundaries(bits):
 
 @pytest.mark.parametrize("bits", ALL_BITS)
 def test_lloyd_conditions_hold(bits):
-    c = codebook.centroids(bits, torch.float64)
+    c = codebook.lloyd_max(bits, torch.float64)
     assert codebook.lloyd_residual(c) < codebook.CONVERGED_RESIDUAL
     # Independently: every centroid is the conditional mean of its cell.
     p, m1, _ = cell_moments(c.numpy())
@@ -106,7 +109,7 @@ def test_known_mse(bits):
 
 def test_mse_falls_about_fourfold_per_bit():
     # Panter–Dite: MSE ~ (pi*sqrt(3)/2) 4^-b at high rate; each extra bit cuts it by 3..4.
-    mse = [codebook.expected_mse(b) for b in ALL_BITS]
+    mse = [codebook.quantizer_mse(codebook.lloyd_max(b, torch.float64)) for b in ALL_BITS]
     ratios = [a / b for a, b in zip(mse, mse[1:])]
     assert all(3.0 < r < 4.0 for r in ratios), ratios
     assert mse[-1] == pytest.approx(math.pi * math.sqrt(3) / 2 * 4.0**-8, rel=0.05)
@@ -115,7 +118,7 @@ def test_mse_falls_about_fourfold_per_bit():
 @pytest.mark.parametrize("bits", [6, 7, 8])
 def test_tables_beat_plain_lloyd_which_crawls(bits):
     """Plain Lloyd's MSE decreases toward ours but is still above it after 300 iterations."""
-    ours = codebook.expected_mse(bits)
+    ours = codebook.quantizer_mse(codebook.lloyd_max(bits, torch.float64))
     tables = plain_lloyd(bits, (10, 30, 100, 300))
     history = [quadrature_mse(c) for c in tables]
     assert all(a > b for a, b in zip(history, history[1:])), history
@@ -127,7 +130,7 @@ def test_tables_beat_plain_lloyd_which_crawls(bits):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_table_is_a_local_minimum(bits, gen):
     """Moving any centroid (keeping the order) raises the MSE: our tables sit at the optimum."""
-    c = codebook.centroids(bits, torch.float64)
+    c = codebook.lloyd_max(bits, torch.float64)
     ours = codebook.quantizer_mse(c)
     gaps = torch.cat([c[1:] - c[:-1], c[-1:] - c[-2:-1]])
     for _ in range(5):
@@ -140,10 +143,49 @@ def test_table_is_a_local_minimum(bits, gen):
             assert codebook.quantizer_mse(moved) > ours
 
 
+@pytest.mark.parametrize("bits", codebook.UNIFORM_BITS)
+def test_uniform_levels_are_exact_steps_of_a_32nd(bits):
+    c = codebook.centroids(bits, torch.float64)
+    half = 1 << (bits - 1)
+    assert torch.equal(c, (torch.arange(1 << bits, dtype=torch.float64) - half) / 32)
+    assert c[half] == 0 and c[0] == -half / 32
+    torch.testing.assert_close(codebook.boundaries(bits, torch.float64), 0.5 * (c[1:] + c[:-1]), rtol=0, atol=0)
+    # Every level is a float16 number, and the float32 table is the float64 one.
+    assert torch.equal(c.half().double(), c)
+    assert torch.equal(codebook.centroids(bits), c.float())
+
+
+def test_8bit_levels_from_the_code_byte_in_float16():
+    """The CUDA kernel's conversion (decode.cuh: CodeTable<8>): the byte under exponent bits 0x64 is the float16
+    1024 + i, and one float16 fma (1/32, -36) makes level i exactly; emulated here by rounding the exact fma
+    result once to float16."""
+    i = torch.arange(256, dtype=torch.int32)
+    biased = ((0x64 << 8) | i).to(torch.int16).view(torch.float16)
+    assert torch.equal(biased.double(), 1024.0 + i.double())
+    one_rounding = (biased.double() * (1 / 32) - 36.0).half()   # the product and sum exact in float64
+    assert torch.equal(one_rounding.double(), codebook.centroids(8, torch.float64))
+
+
+def test_8bit_step_is_near_the_best_uniform_step_and_beats_7_bit_lloyd_max():
+    def mse(step):
+        return codebook.quantizer_mse((torch.arange(256, dtype=torch.float64) - 128) * step)
+    ours = codebook.expected_mse(8)
+    assert ours == pytest.approx(mse(1 / 32), rel=1e-12)
+    best = min(mse(s) for s in torch.linspace(0.028, 0.034, 121).tolist())
+    assert ours <= best * 1.005   # 1.0037: the best step is about 0.0308
+    lloyd7 = codebook.quantizer_mse(codebook.lloyd_max(7, torch.float64))
+    lloyd8 = codebook.quantizer_mse(codebook.lloyd_max(8, torch.float64))
+    assert lloyd8 < ours < lloyd7 / 1.8
+
+
 def test_returned_tables_are_copies():
+    for bits in (4, 8):
+        c = codebook.centroids(bits, torch.float64)
+        top = c[-1].item()
+        c.mul_(2)
+        assert codebook.centroids(bits, torch.float64)[-1].item() == top
     c = codebook.centroids(4, torch.float64)
-    c.mul_(2)
-    assert codebook.centroids(4, torch.float64)[-1].item() == pytest.approx(TABLE_4BIT[-1], abs=1e-6)
+    assert c[-1].item() == pytest.approx(TABLE_4BIT[-1], abs=1e-6)
 
 
 def test_no_table_is_computed_at_import():
@@ -166,6 +208,6 @@ def test_the_cuda_kernels_codebooks_match():
     import turboattn.ops.cached as cached
     header = Path(cached.__file__).parent / "csrc" / "codebooks.h"
     assert header.read_text() == codebook.cuda_header()
-    for bits in (2, 4, 8):
+    for bits in (2, 4, 6):
         halves = codebook.centroids(bits, torch.float32).to(torch.float16).view(torch.int16).tolist()
         assert f"0x{halves[0] & 0xFFFF:04x}" in header.read_text()

@@ -111,13 +111,18 @@ def test_rms_rule_round_trip_mse(d, bits, gen):
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-def test_predicted_mse_within_3_5_percent_below_the_codebook(bits):
+def test_predicted_mse_a_little_below_the_codebook(bits):
     """The prediction the sampled tests check, for every norm block a head dim of DIMS + MSE_OTHER_DIMS has:
     below the codebook's N(0,1) MSE (the sphere marginal's lighter tails) by at most 3.5%, closer as the block
-    grows (the marginal tends to N(0,1))."""
+    grows (the marginal tends to N(0,1)).  8-bit uniform levels lose more of their error with the tails: what
+    stays is the granular error, step^2 / 12 (92.4% of their N(0,1) MSE; cells of 1/32 leave it within 0.1%)."""
     blocks = sorted({ta.KVCodec(d).block_size for d in DIMS + MSE_OTHER_DIMS})
     ratios = [sphere_marginal_mse(bits, block) / codebook.expected_mse(bits) for block in blocks]
-    assert all(0.965 <= r < 1 for r in ratios), ratios
+    if bits in codebook.UNIFORM_BITS:
+        lowest = 0.999 * codebook.UNIFORM_STEP**2 / 12 / codebook.expected_mse(bits)
+    else:
+        lowest = 0.965
+    assert all(lowest <= r < 1 for r in ratios), (lowest, ratios)
     assert ratios == sorted(ratios)
 
 

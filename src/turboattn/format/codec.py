@@ -3,8 +3,8 @@
 Per vector x of length D: y = R x (randomized Hadamard, times a fixed Hartley
 factor when D is not a power of two), split y into ceil(D/256) equal norm
 blocks (min(D, 256) coordinates for a power of two), store one float32 scale per block and the
-Lloyd–Max cell index of every coordinate of u = y / rms(y_block), bit-packed
-with no wasted bits.  DESIGN.md describes the format; this module is its
+codebook cell index (Lloyd–Max below 8 bits, uniform levels at 8: codebook.py) of every coordinate of
+u = y / rms(y_block), bit-packed with no wasted bits.  DESIGN.md describes the format; this module is its
 definition, and the fused kernels must reproduce it.
 
 Keys in channel groups (`key_groups`, e.g. ((112, 6), (144, 4))): the key's channels, in the order the cache
@@ -27,8 +27,9 @@ from . import codebook, rotation
 
 # Version of the stored format (rotation signs, codebooks, norm blocks, scale rules, packing, the
 # meaning of a NaN scale): saved caches carry it, and loading refuses another.  Bump it with any
-# change that alters what stored codes and scales mean.
-FORMAT_VERSION = 1
+# change that alters what stored codes and scales mean.  2: 8-bit codes mean uniform levels (codebook.py), where
+# version 1 stored Lloyd–Max cells.
+FORMAT_VERSION = 2
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SCALE_RULES = ("rms", "corrected", "lsq")
@@ -117,7 +118,7 @@ def magnitude_exponent(x: torch.Tensor) -> torch.Tensor:
 
 
 def cell_index(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Index of the Lloyd–Max cell holding each normalized coordinate u (int64).
+    """Index of the codebook cell holding each normalized coordinate u (int64).
 
     Counts the float32 decision boundaries strictly below u, so a tie goes to
     the lower cell and values beyond the ends saturate at 0 and 2**bits - 1.

@@ -18,9 +18,10 @@
 //     keys' fields into one byte first, whose lookup is the register; the others byte-permute two lookups.
 //     ValueCodes<BITS>::dim says which dims tile t holds; output dims are un-permuted on store.
 // Centroids come from byte -> fp16 tables in shared memory (CodeTable), a copy per lane or per lane pair (no bank
-// conflicts); a lookup is one shift, one lop3 and one shared load.  The packed format is the codec's (planar bit
-// planes); codes of two planes (3, 5, 6 bits) are merged into table bytes on the fly (merge_planes: one select per
-// word and half, plus its shifts).
+// conflicts); a lookup is one shift, one lop3 and one shared load.  8-bit codes' uniform levels are computed from
+// the byte instead (CodeTable<8>: a byte-permute and an fma per register, no table).  The packed format is the
+// codec's (planar bit planes); codes of two planes (3, 5, 6 bits) are merged into table bytes on the fly
+// (merge_planes: one select per word and half, plus its shifts).
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
@@ -101,7 +102,6 @@ struct Planes {
 // lane pointers are pinned, 127 registers and 2-30% faster).  k2v2's one table keeps 32 columns at D = 256: compact,
 // it measured 4% slower on 2 CTAs and up to 16% slower on 3 (q's fragments in shared memory or registers).  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
-//   8 bits: half2 (c[byte], c[byte]) (one code, twice: either half can be byte-permuted out);
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
 //   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
 //   3 bits: half2 (c[a], c[b]) of a byte that merge_planes built: a's low bits at 0-1 and high bit at 4, b's at 2-3
@@ -109,6 +109,7 @@ struct Planes {
 //   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code.
 // merge_planes takes whole nibbles of the high plane (a select), other dims' bits included, and the lookup's mask,
 // which it applies anyway, drops them: three instructions per lookup where masking each code's bits took four.
+// 8-bit codes have no table (CodeTable<8>, below).
 template <int BITS, bool COMPACT = false>
 struct CodeTable {
   static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
@@ -152,7 +153,7 @@ struct CodeTable {
   __device__ __forceinline__ static void store(uint32_t* table, int u) {
     // byte = u + K * 128 / SPB; u < 128 / SPB.
     uint4 entries;
-    if constexpr (BITS == 8 || BITS == 5 || BITS == 6) {   // one code: c[byte] (16 k + u)
+    if constexpr (BITS == 5 || BITS == 6) {   // one code: c[byte] (16 k + u)
       const uint32_t c = pick<16 * K, 16>(u);
       const uint32_t e = c | (c << 16);
       entries = make_uint4(e, e, e, e);
@@ -195,6 +196,25 @@ struct CodeTable {
   __device__ __forceinline__ static uint2 lookup2(const uint32_t* table, uint32_t lane_offset, uint32_t word,
                                                   int i) {
     return *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(table) + offset(lane_offset, word, i));
+  }
+};
+
+// 8-bit codes take uniform levels (format/codebook.py: UNIFORM_BITS): code i means (i - 128) / 32, computed instead
+// of looked up.  A byte-permute puts two code bytes under the exponent byte 0x64, which makes the float16 pair
+// 1024 + i, and one fused multiply-add makes (1024 + i) / 32 - 36 of it: exact, since every level is a float16
+// number and the fma rounds once.  Two instructions per register where two lookups and a byte-permute took seven,
+// and no table in shared memory.
+template <bool COMPACT>
+struct CodeTable<8, COMPACT> {
+  static constexpr int WORDS = 0;
+  __device__ __forceinline__ static uint32_t lane_offset(int) { return 0; }
+  __device__ __forceinline__ static void build(uint32_t*) {}
+  // half2 (level of byte i of x, level of byte j of x).
+  __device__ __forceinline__ static uint32_t levels(uint32_t x, int i, int j) {
+    const uint32_t biased = __byte_perm(x, 0x64u, i | 4 << 4 | j << 8 | 4 << 12);  // (1024 + x_i, 1024 + x_j)
+    uint32_t y;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(biased), "r"(0x28002800u), "r"(0xD080D080u));  // 1/32, -36
+    return y;
   }
 };
 
@@ -282,11 +302,7 @@ struct KeyCodes {
       return make_uint2(Table::lookup(table, lane_offset, word, 2 * (kk % 2)),
                         Table::lookup(table, lane_offset, word, 2 * (kk % 2) + 1));
     } else if constexpr (BITS == 8) {  // bytes 4kk + 2reg + h: one dim each
-      const uint32_t word = w[kk];
-      uint32_t x[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, word, i);
-      return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
+      return make_uint2(Table::levels(w[kk], 0, 1), Table::levels(w[kk], 2, 3));
     } else if constexpr (P::LOW == 2) {  // 3 bits: as 2 bits, the merged words holding k = 0, 1 and k = 2, 3
       const uint2 m = merge_planes<BITS>(w[kk / 4], w[LOW_WORDS + kk / 4], high_shift);
       return make_uint2(Table::lookup(table, lane_offset, m.x, kk % 4), Table::lookup(table, lane_offset, m.y, kk % 4));
@@ -378,7 +394,17 @@ struct ValueCodes {
 
   __device__ __forceinline__ static uint4 fragment(const uint32_t* table, uint32_t lane_offset,
                                                    const uint32_t (&w)[4][WORDS], int t, int high_shift) {
-    if constexpr (BITS == 4) {
+    if constexpr (BITS == 8) {
+      // Bytes 2t and 2t + 1 (rows g and g + 8) of keys j and j + 1, interleaved by one byte-permute: (j's row g,
+      // j + 1's row g, j's row g + 8, j + 1's row g + 8), whose byte pairs are the registers' codes.
+      const int word = t / 2, lo = 2 * (t % 2);
+      auto keys = [&](int j) {
+        return __byte_perm(w[j][word], w[j + 1][word], lo | (lo + 4) << 4 | (lo + 1) << 8 | (lo + 5) << 12);
+      };
+      const uint32_t k01 = keys(0), k23 = keys(2);
+      return make_uint4(Table::levels(k01, 0, 1), Table::levels(k01, 2, 3), Table::levels(k23, 0, 1),
+                        Table::levels(k23, 2, 3));
+    } else if constexpr (BITS == 4) {
       // The low nibbles of keys j and j + 1 (j = 0, 2: keys 2c, 2c + 1 or 2c + 8, 2c + 9) merged into one byte (one
       // lop3, shared by the word's four tiles) look up a register directly, and so do their high nibbles: no
       // byte-permutes of the looked-up halves (2% faster at D = 128 and 256, 3% at D = 512, H100).
@@ -402,8 +428,7 @@ struct ValueCodes {
         return make_uint4(Table::lookup(table, lane_offset, k01, i), Table::lookup(table, lane_offset, k01, i + 1),
                           Table::lookup(table, lane_offset, k23, i), Table::lookup(table, lane_offset, k23, i + 1));
       }
-    }
-    if constexpr (P::LOW == 2 && !TILE_BLOCKS) {
+    } else if constexpr (P::LOW == 2 && !TILE_BLOCKS) {
       // 2 and 3 bits (D <= 256): keys j and j + 1 (j = 0, 2) merged field by field into one byte, whose lookup is a
       // register of the operand (or a pair of them), where looking each key up took a byte-permute per register.
       const int word = t / 8, i = (t / 2) % 4;
@@ -432,42 +457,39 @@ struct ValueCodes {
         auto look = [&](int j, int h) { return Table::lookup(table, lane_offset, row(j, h), i); };
         return make_uint4(look(0, 0), look(0, 1), look(2, 0), look(2, 1));
       }
+    } else {
+      uint32_t x[4];  // key j's half2 (row g, row g + 8)
+      if constexpr (BLOCKED) {  // 5, 6 bits: the merged word of block t % 2
+        const int i = (2 * (t / 2)) % 4, word = t / 4;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word], high_shift);
+          const uint32_t mw = t % 2 ? m.y : m.x;
+          x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
+        }
+      } else if constexpr (BITS == 2) {  // D = 512: byte t / 2, dims j + k D/4; tile t takes k = 2 (t % 2), +1
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 e = Table::lookup2(table, lane_offset, w[j][t / 8], (t / 2) % 4);
+          x[j] = t % 2 ? e.y : e.x;
+        }
+      } else if constexpr (P::LOW == 2) {  // 3 bits, D = 512: as 2 bits, from the merged word of k = 2 (t % 2), +1
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 m = merge_planes<BITS>(w[j][t / 8], w[j][LOW_WORDS + t / 8], high_shift);
+          x[j] = Table::lookup(table, lane_offset, t % 2 ? m.y : m.x, (t / 2) % 4);
+        }
+      } else {  // 5, 6 bits: as 4 bits, one lookup per dim
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 m = merge_planes<BITS>(w[j][t / 4], w[j][LOW_WORDS + t / 4], high_shift);
+          x[j] = low_halves(Table::lookup(table, lane_offset, m.x, t % 4),
+                            Table::lookup(table, lane_offset, m.y, t % 4));
+        }
+      }
+      return make_uint4(low_halves(x[0], x[1]), high_halves(x[0], x[1]), low_halves(x[2], x[3]),
+                        high_halves(x[2], x[3]));
     }
-    uint32_t x[4];  // key j's half2 (row g, row g + 8)
-    if constexpr (BLOCKED) {  // 5, 6 bits: the merged word of block t % 2
-      const int i = (2 * (t / 2)) % 4, word = t / 4;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint2 m = merge_planes<BITS>(w[j][word], w[j][LOW_WORDS + word], high_shift);
-        const uint32_t mw = t % 2 ? m.y : m.x;
-        x[j] = low_halves(Table::lookup(table, lane_offset, mw, i), Table::lookup(table, lane_offset, mw, i + 1));
-      }
-    } else if constexpr (BITS == 8) {  // bytes 2t, 2t + 1
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        x[j] = low_halves(Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2)),
-                          Table::lookup(table, lane_offset, w[j][t / 2], 2 * (t % 2) + 1));
-    } else if constexpr (BITS == 2) {  // D = 512: byte t / 2, dims j + k D/4; tile t takes k = 2 (t % 2), +1
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint2 e = Table::lookup2(table, lane_offset, w[j][t / 8], (t / 2) % 4);
-        x[j] = t % 2 ? e.y : e.x;
-      }
-    } else if constexpr (P::LOW == 2) {  // 3 bits, D = 512: as 2 bits, from the merged word holding k = 2 (t % 2), +1
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint2 m = merge_planes<BITS>(w[j][t / 8], w[j][LOW_WORDS + t / 8], high_shift);
-        x[j] = Table::lookup(table, lane_offset, t % 2 ? m.y : m.x, (t / 2) % 4);
-      }
-    } else {  // 5, 6 bits: as 4 bits, one lookup per dim
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint2 m = merge_planes<BITS>(w[j][t / 4], w[j][LOW_WORDS + t / 4], high_shift);
-        x[j] = low_halves(Table::lookup(table, lane_offset, m.x, t % 4), Table::lookup(table, lane_offset, m.y, t % 4));
-      }
-    }
-    return make_uint4(low_halves(x[0], x[1]), high_halves(x[0], x[1]), low_halves(x[2], x[3]),
-                      high_halves(x[2], x[3]));
   }
   __device__ __forceinline__ static int dim(int g, int t, int h) {
     if constexpr (BLOCKED) return g * LANE_BYTES + 2 * (t / 2) + h + (t % 2) * (D / 2);
@@ -522,10 +544,7 @@ struct GroupCodes {
   __device__ __forceinline__ static uint2 fragment(const uint32_t* table, uint32_t lane_offset, const uint32_t* w,
                                                    int kk, int c) {
     if constexpr (P::LOW == 8) {  // bytes 2 reg + h of word kk: one dim each
-      uint32_t x[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = Table::lookup(table, lane_offset, w[kk], i);
-      return make_uint2(low_halves(x[0], x[1]), low_halves(x[2], x[3]));
+      return make_uint2(Table::levels(w[kk], 0, 1), Table::levels(w[kk], 2, 3));
     } else {
       const int i = kk / 2, b = 2 * (kk % 2);
       if constexpr (BITS == 4) {
@@ -635,10 +654,13 @@ struct Shape {
   // spilling: k2v4 (72 bytes) and k4v4 (84) at D = 256 1.03-1.06; k3v3, k5v3 and pairs with an 8-bit side spill
   // over 100 bytes there.  At D = 64 the plain kernels of codes up to 4 bits take it too, on 3 CTAs per SM (162-168
   // registers, no spill) where k2v2, k3v3 and k4v4 ran 4 with one-tile steps: 0.91-0.96 of the one-tile kernels at
-  // 8 sequences x 3 KV heads x 16K, 0.92-0.93 at B = 1 x 32K and B = 32 x 4K (k4v4), against k8v8's 1.02 (16 bytes
-  // spilled: pairs with a wider side keep one-tile steps), H200.  The exact-row build keeps one tile and 4 CTAs,
-  // which let the exact CTAs share the splits' wave (ctas_per_sm).
-  static constexpr int STEP_TILES = D == 512 || (D == 64 && !EXACT && !GROUPED && KB <= 4 && VB <= 4) ||
+  // 8 sequences x 3 KV heads x 16K, 0.92-0.93 at B = 1 x 32K and B = 32 x 4K (k4v4), H200.  So do the pairs of 8-bit
+  // sides with 2, 4 or 8-bit ones, whose levels need no table (153-167 registers, no spill): 0.87-0.92 at 8 x 3 x 16K,
+  // k8v8 0.92-0.94 at the other two (k8v8 spilled 16 bytes and ran 1.02 when it looked its codes up); 5 and 6-bit
+  // sides keep one-tile steps.  The exact-row build keeps one tile and 4 CTAs, which let the exact CTAs share the
+  // splits' wave (ctas_per_sm).
+  static constexpr bool D64_STEP_PAIRS = (KB <= 4 || KB == 8) && (VB <= 4 || VB == 8);
+  static constexpr int STEP_TILES = D == 512 || (D == 64 && !EXACT && !GROUPED && D64_STEP_PAIRS) ||
                                             (D == 256 && !GROUPED && (KB == 2 || KB == 4) && VB == 2)
                                         ? 2
                                         : 1;
@@ -1333,8 +1355,9 @@ constexpr int ctas_per_sm() {
   // bytes there (56 before, when 3 CTAs ran 3-6% faster) and takes 0.85-1.01 of its time at 3.  Its exact-row build
   // would spill 68 bytes and k4v3 16 (up to 7% slower at 4): they take 3.  At D = 64 the kernels for caches with
   // exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact CTAs share the splits'
-  // wave (default preset, B=8: 12-14% faster); the plain kernels take 3: those of codes up to 4 bits walk two-tile
-  // steps (Shape::STEP_TILES), whose 168 registers hold both tiles, and the other pairs ran up to 7% slower at 4.
+  // wave (default preset, B=8: 12-14% faster); the plain kernels take 3: those of codes up to 4 bits (or 8) walk
+  // two-tile steps (Shape::STEP_TILES), whose 168 registers hold both tiles, and the other pairs ran up to 7% slower
+  // at 4.
   // Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH; two tiles spill on 3,
   // and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256 2.
   constexpr bool four = D == 64 ? EXACT
