@@ -1,4 +1,4 @@
-"""Quantize-append: rotate, normalize, find Lloyd–Max cells, pack and write into the cache slots."""
+"""Quantize-append: rotate, normalize, find codebook cells, pack and write into the cache slots."""
 
 from ..backend import register
 from ..cached import TRITON_HEAD_DIMS

@@ -3,7 +3,7 @@ are torch ops around it: naive.py).
 
 Grid: (token blocks, B * Hkv, 2); the last axis picks K or V.  Each program
 rotates BLOCK_T vectors on tensor cores (common.hadamard_rows), computes the
-per-block scale, finds Lloyd–Max cells by a branch-free binary search over the
+per-block scale, finds codebook cells by a branch-free binary search over the
 boundaries, bit-packs the planes exactly as codec.pack_codes does, and writes
 codes and scales into the cache slots (ring slots wrap modulo the window).
 Like codec.quantize, each vector is first scaled by a power of two (exact) so

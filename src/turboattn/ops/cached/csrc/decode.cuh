@@ -97,10 +97,12 @@ struct Planes {
 // conflict: entry (byte, column) is ENTRY_WORDS words at word (byte * COLUMNS + column) * ENTRY_WORDS, for bytes
 // below ROWS, and lane l reads column l % COLUMNS.  One column per lane (32), except COMPACT 2-bit tables: an 8-byte
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
-// to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4, k2v8, k8v2: one CTA more per SM, 4-15%
-// faster at D <= 128, H100) and k2v2 at D <= 128 (4 CTAs instead of 3: 7% faster at D = 64; at D = 128, since the
-// lane pointers are pinned, 127 registers and 2-30% faster).  k2v2's one table keeps 32 columns at D = 256: compact,
-// it measured 4% slower on 2 CTAs and up to 16% slower on 3 (q's fragments in shared memory or registers).  An entry
+// to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4: one CTA more per SM, 4-15% faster at
+// D <= 128, H100) and k2v2 at D <= 128 (4 CTAs instead of 3: 7% faster at D = 64; at D = 128, since the lane
+// pointers are pinned, 127 registers and 2-30% faster).  k2v2's one table keeps 32 columns at D = 256: compact, it
+// measured 4% slower on 2 CTAs and up to 16% slower on 3 (q's fragments in shared memory or registers).  k2v8 and
+// k8v2 keep the compact table, measured (with the above) beside their 8-bit side's former table; that side has none
+// now (CodeTable<8>), and 32 columns were not measured for them since.  An entry
 // holds the centroids of every code in the byte, in the order of the planar packing (the low bits' code first):
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
 //   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
