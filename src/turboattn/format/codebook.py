@@ -123,6 +123,7 @@ def boundaries(bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (0.5 * (c[1:] + c[:-1])).to(dtype)
 
 
+@lru_cache(maxsize=None)
 def device_centroids(bits: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """centroids(bits) on `device`, cached: read-only, so calls copy nothing from the host (CUDA-graph safe)."""
     return centroids(bits, dtype).to(device)
