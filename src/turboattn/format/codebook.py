@@ -154,7 +154,7 @@ def expected_mse(bits: int) -> float:
 
 # The CUDA decode kernel builds its byte -> centroid tables from these codebooks as compile-time constants
 # (ops/cached/csrc/codebooks.h), so that the table build waits on no load.  8-bit levels need no table: the kernel
-# computes them from the code byte (decode.cuh: UniformLevels).
+# computes them from the code byte (decode.cuh: CodeTable<8>).
 CUDA_HEADER_BITS = (2, 3, 4, 5, 6)
 
 

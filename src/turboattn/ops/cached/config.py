@@ -208,9 +208,8 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     bound); a GPU test checks that the two agree. Shared memory, out of 228 KB: the byte -> fp16 tables (one per
     distinct bit width below 8, whose levels are computed; 32 columns of 4-byte entries, of 8-byte entries for 2
     bits, 16 of them where the 2-bit table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits
-    for 5 and 6), at least the 32 KB the
-    same space holds after the main loop, the static arrays (with the q fragments at D = 256 unless k_bits +
-    v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
+    for 5 and 6), at least the 32 KB the same space holds after the main loop, the static arrays (with the q
+    fragments at D = 256 unless k_bits + v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
     no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a two-tile
     step's). Registers: 4 CTAs (128 per thread) for k4v4, k2v2 and k3v3's plain build at D = 128, k4v4's and k2v2's
     exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain
