@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 
+from ...format.codebook import UNIFORM_BITS
 from ...format.rotation import HEAD_DIM_STEP, SUPPORTED_HEAD_DIMS
 from ..launch import num_splits_for, sm_count
 
@@ -206,17 +207,17 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     """CTAs per SM the CUDA kernel of this shape (k_bits: bits or key groups, as cuda_kernel_serves) is built for
     (exact: the build for caches with exact rows): ctas_per_sm in csrc/decode.cuh, which is the truth (its launch
     bound); a GPU test checks that the two agree. Shared memory, out of 228 KB: the byte -> fp16 tables (one per
-    distinct bit width below 8, whose levels are computed; 32 columns of 4-byte entries, of 8-byte entries for 2
-    bits, 16 of them where the 2-bit table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits
-    for 5 and 6), at least the 32 KB the same space holds after the main loop, the static arrays (with the q
-    fragments at D = 256 unless k_bits + v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps ("sliced"):
-    no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a two-tile
-    step's). Registers: 4 CTAs (128 per thread) for k4v4, k2v2 and k3v3's plain build at D = 128, k4v4's and k2v2's
-    exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain
-    D = 64 kernels of codes up to 4 bits or 8, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256
-    and at D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
+    distinct bit width below 8, whose levels are computed; 32 columns of 4-byte entries, of 8-byte entries for 2 bits,
+    16 of them where the 2-bit table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits for 5 and 6),
+    at least the 32 KB the same space holds after the main loop, the static arrays (with the q fragments at D = 256
+    unless k_bits + v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps
+    ("sliced"): no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a
+    two-tile step's). Registers: 4 CTAs (128 per thread) for k4v4, k2v2 and k3v3's plain build at D = 128, k4v4's and
+    k2v2's exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain D
+    = 64 kernels of codes up to 4 bits or 8, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256 and at
+    D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
     def table(bits: int) -> int:
-        if bits == 8:   # uniform levels, computed (codebook.UNIFORM_BITS): no table
+        if bits in UNIFORM_BITS:   # levels computed from the code byte: no table
             return 0
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and head_dim > 128 else 128)
