@@ -87,6 +87,26 @@ def test_cuda_decode_other_bit_widths(d, bits, case):
     _check_against_reference(case, d, bits)
 
 
+# k4v4 at D = 128, and its exact-row build at D = 64, run two teams of warps per CTA (decode.cuh: Shape::TEAMS): an
+# odd number of parts in the grid leaves the last CTA's second team without one (3 sequences x 1 KV head x 1 split;
+# 1 x 1 x 5 splits), also where exact CTAs follow the splits (2 or 3 splits, then the plan's exact CTAs: one of
+# the two grids is odd).  (d, scale dtype, cache options, case)
+TEAM_CASES = [
+    (128, torch.float32, dict(), (3, 1, 4, 3000, None, 1, True, None, False, False, 1)),
+    (128, torch.float32, dict(), (1, 1, 8, 5000, None, 1, False, None, True, False, 5)),
+    (128, torch.bfloat16, dict(exact_recent=64, exact_first=4), (1, 1, 4, 3000, None, 1, True, None, False, False, 2)),
+    (128, torch.bfloat16, dict(exact_recent=64, exact_first=4), (1, 1, 4, 3000, None, 1, True, None, False, False, 3)),
+    (64, torch.bfloat16, dict(exact_recent=64), (3, 1, 3, 3000, None, 1, True, None, False, False, 2)),
+    (64, torch.bfloat16, dict(exact_recent=64), (3, 1, 3, 3000, None, 1, True, None, False, False, 3)),
+]
+
+
+@pytest.mark.parametrize("d,scale_dtype,options,case", TEAM_CASES,
+                         ids=[f"D{c[0]}-{str(c[1])[6:]}-{c[2]}-{c[3]}" for c in TEAM_CASES])
+def test_cuda_decode_teams_with_an_odd_number_of_parts(d, scale_dtype, options, case):
+    _check_against_reference(case, d, (4, 4), scale_dtype, options)
+
+
 # The quality presets' storage options on the CUDA kernel: bfloat16 scales, an exact recent window (one chunk,
 # several, longer than the cache), exact first tokens, every exact dtype, with rings, fresh tokens, key transforms,
 # softcap, sinks and several query rows.  (d, bits, scale dtype, cache options, case of CASES)

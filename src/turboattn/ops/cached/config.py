@@ -208,7 +208,10 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     (exact: the build for caches with exact rows): ctas_per_sm in csrc/decode.cuh, which is the truth (its launch
     bound); a GPU test checks that the two agree. Shared memory, out of 228 KB: the byte -> fp16 tables (one per
     distinct bit width below 8, whose levels are computed; 32 columns of 4-byte entries, of 8-byte entries for 2 bits,
-    16 of them where the 2-bit table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits for 5 and 6),
+    16 of them where the 2-bit table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits for 5 and 6;
+    4-bit rows 256 bytes apart, twice the table, where the CTAs that the registers allow still fit: CodeTable's WIDE;
+    where they would not, k4v4's CTAs hold two teams of 4 warps that share one wide table, each team one part with
+    its own 16 KB of scratch and static arrays: Shape::TEAMS),
     at least the 32 KB the same space holds after the main loop, the static arrays (with the q fragments at D = 256
     unless k_bits + v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps
     ("sliced"): no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a
@@ -216,21 +219,19 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     k2v2's exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain D
     = 64 kernels of codes up to 4 bits or 8, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256 and at
     D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
-    def table(bits: int) -> int:
+    def table(bits: int, wide: bool = False) -> int:
         if bits in UNIFORM_BITS:   # levels computed from the code byte: no table
             return 0
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
-        return rows * (256 if bits == 2 and k_bits == v_bits and head_dim > 128 else 128)
+        return rows * (256 if (bits == 4 and wide) or (bits == 2 and k_bits == v_bits and head_dim > 128) else 128)
     sliced = head_dim >= 512
-    if isinstance(k_bits, tuple):   # key groups: a table per distinct group width of codes, and V's own
-        tables = sum(table(bits) for bits in {bits for _, bits in k_bits}) + table(v_bits)
-    else:
-        tables = table(k_bits) + (0 if k_bits == v_bits else table(v_bits))
     scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
     q_in_smem = head_dim == 256 and (isinstance(k_bits, tuple) or k_bits + v_bits > CUDA_Q_REGISTER_BITS)
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if q_in_smem else 0) + 2048
               + (2 * 2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
-    by_smem = 228 * 1024 // (max(tables, scratch) + static + 1024)
+
+    def by_smem(tables: int) -> int:
+        return 228 * 1024 // (max(tables, scratch) + static + 1024)
     if head_dim in (256, 512):
         by_regs = 2
     elif head_dim == 64:
@@ -238,7 +239,20 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     else:
         four = (k_bits, v_bits) in ((4, 4), (2, 2)) or (head_dim == 128 and (k_bits, v_bits) == (3, 3) and not exact)
         by_regs = 4 if four else 3
-    return min(by_smem, by_regs)
+    if isinstance(k_bits, tuple):   # key groups: a table per distinct group width of codes, and V's own
+        tables = sum(table(bits) for bits in {bits for _, bits in k_bits}) + table(v_bits)
+    else:
+        def tables_of(wide: bool) -> int:
+            return table(k_bits, wide) + (0 if k_bits == v_bits else table(v_bits, wide))
+        wide_gains = 8 not in (k_bits, v_bits) and (k_bits, v_bits) != (4, 2)   # measured: decode.cuh's Shape
+        wide_fits = wide_gains and by_smem(tables_of(True)) >= by_regs
+        if not wide_fits and not sliced and (k_bits, v_bits) == (4, 4) and not (head_dim == 128 and exact):
+            # Two teams per CTA share one wide table, each with its own scratch and static arrays.
+            team_scratch = 4 * max(4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS // 2)
+            blocks = 228 * 1024 // (tables_of(True) + 2 * team_scratch + 2 * static + 1024)
+            return min(2 * blocks, by_regs)
+        tables = tables_of(wide_fits)   # 4-bit tables wide where the CTAs still fit
+    return min(by_smem(tables), by_regs)
 
 
 @dataclass(frozen=True)

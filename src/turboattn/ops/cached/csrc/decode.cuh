@@ -3,7 +3,8 @@
 // and variant (decode_d*.cu), so that nvcc builds them in parallel.
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
-// online softmax, and the warps are combined at the end.  Keys sit on the MMA's M side ("swap AB": a decode step
+// online softmax, and the warps are combined at the end.  (k4v4 at D = 128 launches CTAs of two such teams, one part
+// each, that share the code table: Shape::TEAMS.)  Keys sit on the MMA's M side ("swap AB": a decode step
 // has at most 8 query rows per KV head, the N = 8 side), and every code byte is decoded exactly once per CTA,
 // straight into an MMA fragment (lane = 4 g + c):
 //   * scores S^T = K Q^T: the A operand (16 keys x 16 dims) of lane (g, c) holds keys g and g + 8 at the k-indices
@@ -18,10 +19,10 @@
 //     keys' fields into one byte first, whose lookup is the register; the others byte-permute two lookups.
 //     ValueCodes<BITS>::dim says which dims tile t holds; output dims are un-permuted on store.
 // Centroids come from byte -> fp16 tables in shared memory (CodeTable), a copy per lane or per lane pair (no bank
-// conflicts); a lookup is one shift, one lop3 and one shared load.  8-bit codes' uniform levels are computed from
-// the byte instead (CodeTable<8>: a byte-permute and an fma per register, no table).  The packed format is the
-// codec's (planar bit planes); codes of two planes (3, 5, 6 bits) are merged into table bytes on the fly
-// (merge_planes: one select per word and half, plus its shifts).
+// conflicts); a lookup is one byte-permute (rows 256 bytes apart) or one shift and one lop3, and one shared load.
+// 8-bit codes' uniform levels are computed from the byte instead (CodeTable<8>: a byte-permute and an fma per
+// register, no table).  The packed format is the codec's (planar bit planes); codes of two planes (3, 5, 6 bits)
+// are merged into table bytes on the fly (merge_planes: one select per word and half, plus its shifts).
 // The scores carry q_scale (with log2 e unless softcap) and the K scale; P is multiplied by the V scale before
 // the PV product.  The running row maximum is only recomputed across lanes when some score exceeds it (a warp
 // vote), and tiles that no mask can touch skip the position arithmetic.  Each CTA writes its split's normalized
@@ -50,6 +51,24 @@ constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
 static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query rows");
 
+// A decode CTA holds TEAMS teams of WARPS warps (Shape::TEAMS): each team is one part of the grid (what the rest of
+// this file calls a CTA: its own split, barriers and shared arrays), and the teams share the code tables.
+// The team's index through a shuffle from lane 0, which ptxas takes as uniform across the warp: what derives from it
+// (the part, its bounds and pointers, the team's arrays) then stays in uniform registers, as a one-team CTA's does
+// (from the thread index itself, ptxas kept them in the 128 registers of 4 CTAs per SM and spilled 24-172 bytes).
+template <int TEAMS>
+__device__ __forceinline__ int team_index() {
+  return TEAMS == 1 ? 0 : __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / (WARPS * 32), 0);
+}
+template <int TEAMS>
+__device__ __forceinline__ int team_thread() { return TEAMS == 1 ? threadIdx.x : threadIdx.x % (WARPS * 32); }
+// A barrier of the team's threads (named barrier 1 + team); the whole CTA's when one team.
+template <int TEAMS>
+__device__ __forceinline__ void team_sync() {
+  if constexpr (TEAMS == 1) __syncthreads();
+  else asm volatile("bar.sync %0, %1;" ::"r"(1 + team_index<TEAMS>()), "n"(WARPS * 32) : "memory");
+}
+
 // Phase stamps of a profiling build (nvcc -DTURBOATTN_STAMPS, never in the shipped build; `turboattn bench
 // phases` builds and reads it): thread 0 of each CTA writes STAMP_SLOTS 64-bit words after every CTA's part
 // in o_part (the probe allocates the room): slots 10 / 11 / 12 the global timer at the start / part written / end,
@@ -62,9 +81,12 @@ constexpr int STAMP_SLOTS = 16;
 #ifdef TURBOATTN_STAMPS
 template <int D>
 __device__ __forceinline__ void stamp(const DecodeParams& p, int slot) {
-  if (threadIdx.x != 0) return;
-  const size_t parts_floats = (size_t)gridDim.x * p.tq * p.group * D;  // o_part's parts: gridDim.x x rows x D
-  unsigned long long* at = reinterpret_cast<unsigned long long*>(p.o_part + parts_floats) + (size_t)blockIdx.x * STAMP_SLOTS;
+  // A team is a CTA here (blockDim.x / (WARPS x 32) teams per launched CTA).
+  const int teams = blockDim.x / (WARPS * 32);
+  if (threadIdx.x % (WARPS * 32) != 0) return;
+  const size_t parts_floats = (size_t)gridDim.x * teams * p.tq * p.group * D;  // o_part's parts: CTAs x rows x D
+  const size_t cta = (size_t)blockIdx.x * teams + threadIdx.x / (WARPS * 32);
+  unsigned long long* at = reinterpret_cast<unsigned long long*>(p.o_part + parts_floats) + cta * STAMP_SLOTS;
   unsigned long long v;
   if (slot >= 10 && slot <= 12) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
@@ -111,8 +133,13 @@ struct Planes {
 //   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code.
 // merge_planes takes whole nibbles of the high plane (a select), other dims' bits included, and the lookup's mask,
 // which it applies anyway, drops them: three instructions per lookup where masking each code's bits took four.
+// Rows are 128 or 256 bytes apart (SHIFT 7 or 8).  At 256 the code byte is an offset's byte 1 and the lane's
+// column its byte 0, so one byte-permute makes a lookup's offset where a shift and a lop3 made it (BYTE_ROWS):
+// tables of 8-byte entries in 32 columns fill such rows, and WIDE 4-bit tables take them too, half of each row
+// unused (64 KB), where the kernel's CTAs per SM still fit (Shape::WIDE).  5 and 6-bit and 3-bit lookups mask other
+// dims' bits off the byte (ROW_MASK), which a byte-permute cannot.
 // 8-bit codes have no table (CodeTable<8>, below).
-template <int BITS, bool COMPACT = false>
+template <int BITS, bool COMPACT = false, bool WIDE = false>
 struct CodeTable {
   static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
   static constexpr int ROWS = BITS == 3 ? 0x60 : (BITS == 5 || BITS == 6 ? 1 << BITS : 256);
@@ -120,9 +147,12 @@ struct CodeTable {
   // 7; 5 and 6 bits: those above the code), and the lookup's mask drops them.
   static constexpr uint32_t ROW_MASK = BITS == 3 ? 0x5F : (BITS == 5 || BITS == 6 ? (1 << BITS) - 1 : 0xFF);
   static constexpr int COLUMNS = COMPACT ? 32 / ENTRY_WORDS : 32;
-  static constexpr int WORDS = ROWS * COLUMNS * ENTRY_WORDS;
-  static constexpr int SHIFT = COLUMNS * ENTRY_WORDS == 64 ? 8 : 7;  // log2 of an entry row's bytes
-  static_assert(COLUMNS * ENTRY_WORDS * 4 == 1 << SHIFT, "an entry row is 128 or 256 bytes");
+  static constexpr int ENTRY_ROW_WORDS = COLUMNS * ENTRY_WORDS;  // the words an entry row fills
+  static constexpr bool BYTE_ROWS = ROW_MASK == 0xFF && ((WIDE && BITS == 4) || ENTRY_ROW_WORDS == 64);
+  static constexpr int ROW_WORDS = BYTE_ROWS ? 64 : ENTRY_ROW_WORDS;
+  static constexpr int WORDS = ROWS * ROW_WORDS;
+  static constexpr int SHIFT = ROW_WORDS == 64 ? 8 : 7;  // log2 of an entry row's bytes
+  static_assert(ROW_WORDS * 4 == 1 << SHIFT, "an entry row is 128 or 256 bytes");
   // The byte offset of this lane's column in an entry row.  A compact column's index passes through a shuffle, once
   // per kernel: ptxas then cannot see its mask (lane & 15) and keeps the offset in a register, so a lookup's offset
   // is one lop3; when it sees the mask it re-applies it at every lookup (two lop3s: nvcc 13.0, sm_90).  The
@@ -152,7 +182,8 @@ struct CodeTable {
   __device__ __forceinline__ static uint32_t fixed() { return Codebook<BITS>::HALF[LO]; }
 
   template <int K>
-  __device__ __forceinline__ static void store(uint32_t* table, int u) {
+  __device__ __forceinline__ static void store(uint32_t* table, int t) {
+    const int u = t / SPB;
     // byte = u + K * 128 / SPB; u < 128 / SPB.
     uint4 entries;
     if constexpr (BITS == 5 || BITS == 6) {   // one code: c[byte] (16 k + u)
@@ -174,20 +205,30 @@ struct CodeTable {
       const uint32_t e1 = fixed<(K >> 1) & 3>() | (fixed<(K >> 3)>() << 16);
       entries = make_uint4(e0, e1, e0, e1);
     }
-    reinterpret_cast<uint4*>(table)[threadIdx.x + K * WARPS * 32] = entries;
+    const int store = t + K * WARPS * 32;
+    reinterpret_cast<uint4*>(table)[store / SPB * (ROW_WORDS / 4) + store % SPB] = entries;
   }
-  template <int... K>
-  __device__ __forceinline__ static void store_all(uint32_t* table, int u, std::integer_sequence<int, K...>) {
-    (store<K>(table, u), ...);
+  template <int FIRST, int... K>
+  __device__ __forceinline__ static void store_all(uint32_t* table, int t, std::integer_sequence<int, K...>) {
+    (store<FIRST + K>(table, t), ...);
   }
   __device__ static void build(uint32_t* table) {
-    store_all(table, threadIdx.x / SPB, std::make_integer_sequence<int, STORES>{});
+    store_all<0>(table, threadIdx.x, std::make_integer_sequence<int, STORES>{});
+  }
+  // The two teams of a CTA build it together, each half of the stores (t: the thread in its team).
+  template <int TEAMS>
+  __device__ static void build_shared(uint32_t* table, int team, int t) {
+    static_assert(TEAMS == 2 && STORES % 2 == 0, "two teams, half of the stores each");
+    if (team == 0) store_all<0>(table, t, std::make_integer_sequence<int, STORES / 2>{});
+    else store_all<STORES / 2>(table, t, std::make_integer_sequence<int, STORES / 2>{});
   }
 
   // Byte i of `word`'s entry for this lane (lane_offset = lane * 4 * ENTRY_WORDS): the byte offset
-  // (byte & ROW_MASK) << SHIFT | lane_offset in one shift and one lop3 (the fields do not overlap), and the table's
-  // own address is the shared load's immediate.
+  // (byte & ROW_MASK) << SHIFT | lane_offset in one byte-permute (BYTE_ROWS: the byte and the lane's offset are the
+  // offset's bytes 1 and 0), else in one shift and one lop3 (the fields do not overlap); the table's own address is
+  // the shared load's uniform operand.
   __device__ __forceinline__ static uint32_t offset(uint32_t lane_offset, uint32_t word, int i) {
+    if constexpr (BYTE_ROWS) return __byte_perm(word, lane_offset, 0x5504 | i << 4);
     const uint32_t shifted = i * 8 <= SHIFT ? word << (SHIFT - 8 * i) : word >> (8 * i - SHIFT);
     return (shifted & (ROW_MASK << SHIFT)) | lane_offset;
   }
@@ -206,11 +247,13 @@ struct CodeTable {
 // 1024 + i, and one fused multiply-add makes (1024 + i) / 32 - 36 of it: exact, since every level is a float16
 // number and the fma rounds once.  Two instructions per register where two lookups and a byte-permute took seven,
 // and no table in shared memory.
-template <bool COMPACT>
-struct CodeTable<8, COMPACT> {
+template <bool COMPACT, bool WIDE>
+struct CodeTable<8, COMPACT, WIDE> {
   static constexpr int WORDS = 0;
   __device__ __forceinline__ static uint32_t lane_offset(int) { return 0; }
   __device__ __forceinline__ static void build(uint32_t*) {}
+  template <int TEAMS>
+  __device__ static void build_shared(uint32_t*, int, int) {}
   // half2 (level of byte i of x, level of byte j of x).
   __device__ __forceinline__ static uint32_t levels(uint32_t x, int i, int j) {
     const uint32_t biased = __byte_perm(x, 0x64u, i | 4 << 4 | j << 8 | 4 << 12);  // (1024 + x_i, 1024 + x_j)
@@ -629,6 +672,27 @@ struct KTableWords<true, K, KTable> { static constexpr int value = K::TABLE_WORD
 
 constexpr int Q_REGISTER_BITS = 6;  // Shape::Q_IN_SMEM (ops/cached/config.py: CUDA_Q_REGISTER_BITS)
 
+// CTAs per SM that the kernel's registers allow (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow
+// 255 (nvcc 13.0's ptxas and H100 timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without
+// spilling.  So do the other equal widths of at most 4 bits at D = 64 and k2v2 at D = 128 (their compact 2-bit
+// table: 2-30% faster than 3 CTAs with the full one at D = 128, H100), and k3v3's plain build at D = 128: since the
+// lane pointers are pinned it spills 8 bytes there (56 before, when 3 CTAs ran 3-6% faster) and takes 0.85-1.01 of
+// its time at 3.  Its exact-row build would spill 68 bytes and k4v3 16 (up to 7% slower at 4): they take 3.  At
+// D = 64 the kernels for caches with exact rows take 4 for every pair (no main loop spills at 128): the room lets
+// the exact CTAs share the splits' wave (default preset, B=8: 12-14% faster); the plain kernels take 3: those of
+// codes up to 4 bits (or 8) walk two-tile steps (Shape::STEP_TILES), whose 168 registers hold both tiles, and the
+// other pairs ran up to 7% slower at 4.  Sliced D = 512 takes 2, whose registers hold a second tile in flight
+// (Shape::PREFETCH; two tiles spill on 3, and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256 2.
+template <int D, int KB, int VB, bool EXACT>
+constexpr int ctas_by_registers() {
+  constexpr bool four = D == 64 ? EXACT
+                                : (KB == 4 && VB == 4) || (KB == 2 && VB == 2) ||
+                                      (D == 128 && KB == 3 && VB == 3 && !EXACT);
+  return D == 256 || D == 512 ? 2 : four ? 4 : 3;
+}
+
+constexpr int SM_SHARED_BYTES = 228 * 1024;  // per SM, of which the SM reserves 1 KB per CTA
+
 // GA > 0: keys in two channel groups (KeyGroups: GA channels at KB bits, D - GA at KB2).  EXACT: the build for
 // caches with exact rows (only the main loop's step differs, at D = 64).
 template <int D, int KB, int VB, int GA = 0, int KB2 = 0, bool EXACT = false>
@@ -640,11 +704,6 @@ struct Shape {
   static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
   static constexpr int KNB = GROUPED ? 2 : NB;       // K scales per token: one per group when grouped
   static_assert(NB == 1 || SLICED, "two norm blocks are read by the sliced kernel");
-  // A 2-bit table is compact beside a second table and at D <= 128 (CodeTable).
-  using KTable = CodeTable<KB, KB != VB || D <= 128>;
-  using VTable = CodeTable<VB, KB != VB || D <= 128 || GROUPED>;
-  using K = std::conditional_t<GROUPED, KeyGroups<D, GA, KB, KB2>, KeyCodes<KB, D, SLICES, KTable>>;
-  using V = ValueCodes<VB, D, SLICES, VTable>;
   static constexpr int K_STEPS = D / SLICES / 16;   // MMA k-steps of a warp's (partial) score product
   static constexpr int DIM_TILES = D / SLICES / 16; // 16-dim tiles of a warp's output
   // Tiles a warp takes per step of its main loop: two (32 keys) where it measured faster, one elsewhere.  A
@@ -680,11 +739,48 @@ struct Shape {
   // loop the same space holds the warps' outputs (not when sliced: a warp owns its dims), the merge's weights
   // (MAX_ROWS x MAX_PARTS) or the exact part's scratch (less than either), so it is at least SCRATCH_WORDS.
   static constexpr bool SHARED_TABLE = KB == VB && !GROUPED;
-  static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
-  static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
   static constexpr int WARP_OUT_WORDS = SLICED ? 0 : WARPS * MAX_ROWS * D;
   static constexpr int SCRATCH_WORDS = WARP_OUT_WORDS > MAX_ROWS * MAX_PARTS ? WARP_OUT_WORDS : MAX_ROWS * MAX_PARTS;
-  static constexpr int DYNAMIC_WORDS = TABLE_WORDS > SCRATCH_WORDS ? TABLE_WORDS : SCRATCH_WORDS;
+  // Static shared memory (q_rot, q fragments at D = 256, the merge's small weights, statistics; an upper bound);
+  // sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
+  static constexpr int STATIC_BYTES = 4 * MAX_ROWS * D + (Q_IN_SMEM ? K_STEPS * 32 * 8 : 0) + 2048 +
+                                      (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
+  static constexpr int BY_REGISTERS = ctas_by_registers<D, KB, VB, EXACT>();
+  static constexpr int ctas_by_shared(int table_words) {
+    return SM_SHARED_BYTES / ((table_words > SCRATCH_WORDS ? table_words : SCRATCH_WORDS) * 4 + STATIC_BYTES + 1024);
+  }
+  // A 2-bit table is compact beside a second table and at D <= 128 (CodeTable).  4-bit tables are WIDE (a lookup's
+  // offset in one byte-permute) where the CTAs per SM that the registers allow still fit: k4v4 at D = 64, 256 and
+  // 512 0.93-0.97 of the narrow table's time, k5v4 0.96, k2v4 and k4v3 at D = 256 0.96-0.98 (H200, BENCHMARKS.md).
+  // Not beside an 8-bit side (k4v8, k8v4 1.02-1.04 at D = 128) nor k4v2 (1.025 at D = 256).
+  static constexpr bool K_COMPACT = KB != VB || D <= 128, V_COMPACT = KB != VB || D <= 128 || GROUPED;
+  static constexpr int WIDE_TABLE_WORDS =
+      CodeTable<KB, K_COMPACT, true>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB, V_COMPACT, true>::WORDS);
+  static constexpr bool WIDE_GAINS = !GROUPED && KB != 8 && VB != 8 && !(KB == 4 && VB == 2);
+  static constexpr bool WIDE_FITS = WIDE_GAINS && ctas_by_shared(WIDE_TABLE_WORDS) >= BY_REGISTERS;
+  // Where the CTAs would not fit, k4v4's CTAs hold two teams of warps that share one wide table, each with its own
+  // scratch after it (TEAMS; the shared memory of two CTAs, less one table): the plain kernel at D = 128 (0.93-0.95
+  // at B = 4 to 32, 1.02 at B = 1) and the exact-row build at D = 64 (0.97); the exact-row build at D = 128 spilled
+  // 40 bytes and ran 1.09, and keeps one team and the narrow table.
+  static constexpr int TEAMS =
+      !WIDE_FITS && !GROUPED && !SLICED && KB == 4 && VB == 4 && !(D == 128 && EXACT) ? 2 : 1;
+  static constexpr bool WIDE = WIDE_FITS || TEAMS > 1;
+  using KTable = CodeTable<KB, K_COMPACT, WIDE>;
+  using VTable = CodeTable<VB, V_COMPACT, WIDE>;
+  using K = std::conditional_t<GROUPED, KeyGroups<D, GA, KB, KB2>, KeyCodes<KB, D, SLICES, KTable>>;
+  using V = ValueCodes<VB, D, SLICES, VTable>;
+  static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
+  static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
+  // Team i's scratch: SCRATCH_SPAN words from SCRATCH_AT + i SCRATCH_SPAN; one team's is the tables' space.  A
+  // team's holds the warps' outputs, the exact part's scratch and the merge's weights of up to TEAM_MERGE_WORDS
+  // (rows x parts: far more than a merge on the kernel's tail takes, ops/cached/config.CUDA_MERGE_APART).
+  static constexpr int TEAM_MERGE_WORDS = MAX_ROWS * MAX_PARTS / 2;
+  static constexpr int SCRATCH_SPAN_OF_TEAM = WARP_OUT_WORDS > TEAM_MERGE_WORDS ? WARP_OUT_WORDS : TEAM_MERGE_WORDS;
+  static constexpr int SCRATCH_AT = TEAMS > 1 ? TABLE_WORDS : 0;
+  static constexpr int DYNAMIC_WORDS = TEAMS > 1                    ? TABLE_WORDS + TEAMS * SCRATCH_SPAN_OF_TEAM
+                                       : TABLE_WORDS > SCRATCH_WORDS ? TABLE_WORDS
+                                                                     : SCRATCH_WORDS;
+  static constexpr int SCRATCH_SPAN = TEAMS > 1 ? SCRATCH_SPAN_OF_TEAM : DYNAMIC_WORDS;
 };
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -985,8 +1081,8 @@ __device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
 struct CtaIndex {
   int part, bh;
 };
-__device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
-  const int block = blockIdx.x, split_blocks = p.num_splits * p.batch_kv_heads;
+__device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p, int block) {
+  const int split_blocks = p.num_splits * p.batch_kv_heads;
   if (block < split_blocks) {
     const int bh = quotient(p.splits_div, block);
     return {block - bh * p.num_splits, bh};
@@ -997,8 +1093,8 @@ __device__ __forceinline__ CtaIndex cta_index(const DecodeParams& p) {
 // An exact CTA's part (num_splits and after) and (sequence, KV head): a head's exact CTAs are adjacent.  Apart
 // from cta_index, so that the splits' code stays as it was (computed there, it reordered the whole kernel and
 // cost the Gemma-3 preset 14%).
-__device__ __forceinline__ CtaIndex exact_cta_index(const DecodeParams& p) {
-  const int exact_parts = p.num_parts - p.num_splits, x = cta_index(p).bh;
+__device__ __forceinline__ CtaIndex exact_cta_index(const DecodeParams& p, int block) {
+  const int exact_parts = p.num_parts - p.num_splits, x = cta_index(p, block).bh;
   return {p.num_splits + x % exact_parts, x / exact_parts};
 }
 
@@ -1044,11 +1140,11 @@ __device__ __forceinline__ float fresh_scores(const DecodeParams& p, long long q
 // weight weight[(i / (D / 4)) num_parts + q] (weights [rows][num_parts]).  Parts outer and outputs inner, QB x ITEMS
 // = about 16 loads in flight, so that num_parts / QB L2 round trips cover them (a loop over the outputs, each
 // waiting on its own loads, takes a round trip per output and batch); each output adds its parts in order.
-template <int D, int ITEMS, int FIRST, typename Step>
+template <int D, int ITEMS, int FIRST, int TEAMS, typename Step>
 __device__ __forceinline__ void sum_parts_in_flight(const float4* o, Step step, const float* weight, int num_parts,
                                                     int outputs, float4 (&acc)[ITEMS]) {
   constexpr int D4 = D / 4, THREADS = WARPS * 32, QB = ITEMS >= 16 ? 1 : 16 / ITEMS;
-  const int tid = threadIdx.x;
+  const int tid = team_thread<TEAMS>();
 #pragma unroll 1
   for (int q0 = 0; q0 < num_parts; q0 += QB) {
     float4 x[QB][ITEMS];
@@ -1159,12 +1255,12 @@ __device__ __forceinline__ void store_parts_in_model_domain(const DecodeParams& 
 // parts k, k + groups, ...) and their partial sums are added in a fixed order.  The weights ([rows][num_parts])
 // live in `small` when they fit, else at the end of the scratch.
 constexpr int SMALL_WORDS = 256;
-template <int D>
+template <int D, int TEAMS>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float* scratch, int scratch_words,
                                             float* small, float* y, float* denominator, float* fresh_p,
                                             const float* signs, int num_parts) {
   // b and kvh are recomputed here (the main loop need not keep them alive); bh comes from the caller.
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = team_thread<TEAMS>(), lane = tid & 31, warp = tid >> 5;
   const int b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads, rows = p.tq * p.group;
   const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q rows + r
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
@@ -1255,7 +1351,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) denominator[r] = sum + exp2f(sink - m_use);
   }
-  __syncthreads();
+  team_sync<TEAMS>();
   TURBOATTN_STAMP(14);
   float4* y4 = reinterpret_cast<float4*>(y);
   // At D >= 256 a thread owns up to ITEMS > 2 outputs: those after its first are summed together below.
@@ -1304,8 +1400,8 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
       float4 acc[OTHERS];
 #pragma unroll
       for (int k = 0; k < OTHERS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      sum_parts_in_flight<D, OTHERS, 1>(reinterpret_cast<const float4*>(p.o_part + first * D) + tid,
-                                         (size_t)outputs, weight, num_parts, outputs, acc);
+      sum_parts_in_flight<D, OTHERS, 1, TEAMS>(reinterpret_cast<const float4*>(p.o_part + first * D) + tid,
+                                                (size_t)outputs, weight, num_parts, outputs, acc);
 #pragma unroll
       for (int k = 0; k < OTHERS; ++k) {
         const int i = tid + (k + 1) * THREADS;
@@ -1316,7 +1412,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
     }
   }
   if (groups > 1) {
-    __syncthreads();
+    team_sync<TEAMS>();
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     if (tid < outputs) {
       for (int k = 0; k < groups; ++k) {
@@ -1324,10 +1420,10 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
         sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
       }
     }
-    __syncthreads();
+    team_sync<TEAMS>();
     if (tid < outputs) y4[tid] = sum;
   }
-  __syncthreads();
+  team_sync<TEAMS>();
   TURBOATTN_STAMP(15);
   // Rotation back, one row per warp, and the store.
   const int hq = p.num_kv_heads * p.group;
@@ -1343,39 +1439,21 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 // 4-bit codes (BENCHMARKS.md); wider codes need more prefetch registers, two tables more shared memory.
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
 constexpr int ctas_per_sm() {
-  // Shared memory: the tables, the static arrays (q_rot, q fragments at D = 256, the merge's small weights,
-  // statistics; an upper bound) and the 1 KB the SM reserves per CTA, out of 228 KB.
-  // Sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
   using S = Shape<D, KB, VB, GA, KB2, EXACT>;
-  constexpr int static_bytes = 4 * MAX_ROWS * D + (S::Q_IN_SMEM ? S::K_STEPS * 32 * 8 : 0) + 2048 +
-                               (S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
-  constexpr int by_smem = 228 * 1024 / (S::DYNAMIC_WORDS * 4 + static_bytes + 1024);
-  // Registers (64 K per SM): 4 CTAs allow 128 per thread, 3 allow 168, 2 allow 255 (nvcc 13.0's ptxas and H100
-  // timings in BENCHMARKS.md).  k4v4 at D <= 128 takes 4: it fits 128 without spilling.  So do the other equal widths
-  // of at most 4 bits at D = 64 and k2v2 at D = 128 (their compact 2-bit table: 2-30% faster than 3 CTAs with the
-  // full one at D = 128, H100), and k3v3's plain build at D = 128: since the lane pointers are pinned it spills 8
-  // bytes there (56 before, when 3 CTAs ran 3-6% faster) and takes 0.85-1.01 of its time at 3.  Its exact-row build
-  // would spill 68 bytes and k4v3 16 (up to 7% slower at 4): they take 3.  At D = 64 the kernels for caches with
-  // exact rows take 4 for every pair (no main loop spills at 128): the room lets the exact CTAs share the splits'
-  // wave (default preset, B=8: 12-14% faster); the plain kernels take 3: those of codes up to 4 bits (or 8) walk
-  // two-tile steps (Shape::STEP_TILES), whose 168 registers hold both tiles, and the other pairs ran up to 7% slower
-  // at 4.
-  // Sliced D = 512 takes 2, whose registers hold a second tile in flight (Shape::PREFETCH; two tiles spill on 3,
-  // and on 4 k4v4 spilled 124 bytes with one).  Other pairs take 3, D = 256 2.
-  constexpr bool four = D == 64 ? EXACT
-                                : (KB == 4 && VB == 4) || (KB == 2 && VB == 2) ||
-                                      (D == 128 && KB == 3 && VB == 3 && !EXACT);
-  constexpr int by_regs = D == 256 || D == 512 ? 2 : four ? 4 : 3;
-  return by_smem < by_regs ? by_smem : by_regs;
+  // Teams: a CTA of TEAMS teams counts as TEAMS (each one of the grid's parts).
+  constexpr int by_smem = S::TEAMS > 1 ? S::TEAMS * (SM_SHARED_BYTES / (S::DYNAMIC_WORDS * 4 +
+                                                                      S::TEAMS * S::STATIC_BYTES + 1024))
+                                       : S::ctas_by_shared(S::TABLE_WORDS);
+  return by_smem < S::BY_REGISTERS ? by_smem : S::BY_REGISTERS;
 }
 
 // Dynamic shared memory of decode<D, KB, VB, EXACT, GA, KB2>: the code tables (later reused to combine the warps and
-// merge).
-template <int D, int KB, int VB, int GA = 0, int KB2 = 0>
-constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2>::DYNAMIC_WORDS * 4; }
+// merge), and with teams each team's scratch after them.
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
+constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT>::DYNAMIC_WORDS * 4; }
 
 // The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
-// address is still a constant, so table addresses stay immediates.
+// address is still a constant, so a table's address stays a uniform operand of its loads.
 extern __shared__ __align__(16) uint32_t code_tables[];
 
 // Arrive on `counter` (after making this CTA's writes visible): whether this CTA is the last of `expected`; the last
@@ -1384,28 +1462,29 @@ extern __shared__ __align__(16) uint32_t code_tables[];
 // (release is cumulative: it publishes what the barrier ordered; acquire makes the other CTAs' parts visible to the
 // last one, whose barrier then passes them on): a fence in every thread measured as the largest stall of the
 // epilogue (ncu, B=1 D=128), and fence + atomic + fence in one thread 0.3-0.6 µs more than this (H100).
+template <int TEAMS>
 __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_last) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  team_sync<TEAMS>();
+  if (team_thread<TEAMS>() == 0) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
     is_last = old == expected - 1;
     if (is_last) *counter = 0;
   }
-  __syncthreads();
+  team_sync<TEAMS>();
   return is_last;
 }
 
 // Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part.  The merge takes
 // the CTA's index from here: recomputing it costs integer divisions, cold code on the kernel's tail.
-template <int D>
-__device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaIndex& cta, int scratch_words,
-                                               float* small, float* q_rot, float* warp_ml, float* fresh_p,
-                                               const float* signs, int& is_last) {
-  if (!arrive_last(p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD, p.num_parts, is_last)) return;
+template <int D, int TEAMS>
+__device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaIndex& cta, uint32_t* scratch,
+                                               int scratch_words, float* small, float* q_rot, float* warp_ml,
+                                               float* fresh_p, const float* signs, int& is_last) {
+  if (!arrive_last<TEAMS>(p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD, p.num_parts, is_last)) return;
   TURBOATTN_STAMP(6);
-  merge_parts<D>(p, cta.bh, reinterpret_cast<float*>(code_tables), scratch_words, small, q_rot, warp_ml, fresh_p,
-                 signs, p.num_parts);
+  merge_parts<D, TEAMS>(p, cta.bh, reinterpret_cast<float*>(scratch), scratch_words, small, q_rot, warp_ml, fresh_p,
+                        signs, p.num_parts);
 }
 
 // An exact part (the CTAs of parts num_splits .. num_parts - 1, in the kernels built for caches with exact rows):
@@ -1469,7 +1548,7 @@ __device__ __forceinline__ float2 load2(const char* row, int dtype, int d) {
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-template <int D>
+template <int D, int TEAMS>
 __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex cta, uint32_t* scratch, float* q_s,
                                            float* signs) {
   constexpr int THREADS = WARPS * 32, RPW = MAX_ROWS / WARPS, CH = EXACT_CHUNK;
@@ -1477,7 +1556,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
   constexpr int PAIRS = D / 2, GROUPS = THREADS / PAIRS > 0 ? THREADS / PAIRS : 1;
   constexpr int PPT = PAIRS > THREADS ? PAIRS / THREADS : 1;
   static_assert(PAIRS % THREADS == 0 || THREADS % PAIRS == 0, "pairs of dims spread evenly over the threads");
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = team_thread<TEAMS>(), lane = tid & 31, warp = tid >> 5;
   const int bh = cta.bh, b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads, rows = p.tq * p.group;
   const int seen = p.seen[b], start = p.starts[b];
   const int qpos_base = p.has_fresh ? seen : seen - p.tq;
@@ -1515,7 +1594,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
   for (int r = 0; r < MAX_ROWS; ++r)
 #pragma unroll
     for (int i = 0; i < 2 * PPT; ++i) acc[r][i] = 0.f;
-  __syncthreads();
+  team_sync<TEAMS>();
   TURBOATTN_STAMP(2);   // the exact CTA's set-up done (queries, signs, shift)
 
   // T threads per exact row (a power of two, uniform): as many as keep every thread busy over the rows, at most a
@@ -1605,7 +1684,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
         if (sub == 0) s_s[r * CH + jl] = x;
       }
     }
-    __syncthreads();
+    team_sync<TEAMS>();
     if (c0 == 0) { TURBOATTN_STAMP(9); }   // the first chunk's scores
     // Online softmax, a warp per query row.  A hidden row's weight is -0 (its sign marks it: P V skips it).
 #pragma unroll
@@ -1636,7 +1715,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
       m_r[k] = m_new;
       if (lane == 0) alpha_s[warp + k * WARPS] = alpha;
     }
-    __syncthreads();
+    team_sync<TEAMS>();
     // P V: dims 2 pair', 2 pair' + 1 (pair' = pair + k THREADS) over this group's rows.
 #pragma unroll
     for (int r = 0; r < MAX_ROWS; ++r)
@@ -1672,7 +1751,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
         }
       }
     }
-    __syncthreads();  // the next chunk rewrites v_row and s_s
+    team_sync<TEAMS>();  // the next chunk rewrites v_row and s_s
   }
   TURBOATTN_STAMP(3);   // every chunk attended
 
@@ -1686,7 +1765,7 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
         o_s[(group * MAX_ROWS + r) * D + 2 * (pair + k * THREADS) + 1] = acc[r][2 * k + 1];
       }
   }
-  __syncthreads();
+  team_sync<TEAMS>();
   constexpr int N = D / 32;
   const float norm = rsqrtf((float)D);
 #pragma unroll
@@ -1714,27 +1793,53 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
 // EXACT: built for caches with exact rows (more CTAs attend them); a separate build keeps that code out of the
 // other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
-__global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA, KB2>()))
+__global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>::TEAMS,
+                                  (ctas_per_sm<D, KB, VB, EXACT, GA, KB2>() / Shape<D, KB, VB, GA, KB2, EXACT>::TEAMS))
     decode(const DecodeParams p) {
   using S = Shape<D, KB, VB, GA, KB2, EXACT>;
-  // The code tables (dynamic), the rotated queries, the q fragments when they live in shared memory, and the
-  // warps' row statistics.
+  constexpr int TEAMS = S::TEAMS;
+  // The code tables (dynamic, shared by the teams), the rotated queries, the q fragments when they live in shared
+  // memory, and the warps' row statistics (a team's own).
   uint32_t* const k_table = code_tables;
   uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : S::K_TABLE_WORDS);
-  __shared__ __align__(16) float merge_small[SMALL_WORDS];  // the merge's weights, when they fit
-  __shared__ float q_rot[MAX_ROWS * D];
-  __shared__ float signs[D];  // the rotation's signs, for the merge's rotation back
+  const int team = team_index<TEAMS>();
+  uint32_t* const scratch = code_tables + S::SCRATCH_AT + team * S::SCRATCH_SPAN;
+  // A team's arrays in one struct: one base address per team.
+  struct TeamArrays {
+    __align__(16) float merge_small[SMALL_WORDS];  // the merge's weights, when they fit
+    float q_rot[MAX_ROWS * D];
+    float signs[D];  // the rotation's signs, for the merge's rotation back
+    float warp_ml[WARPS * MAX_ROWS * 2];
+    float fresh_p[MAX_ROWS * MAX_ROWS];
+    float row_inv[MAX_ROWS];
+    int is_last;
+  };
+  __shared__ TeamArrays team_arrays[TEAMS];
+  TeamArrays& mine = team_arrays[team];
+  float* const merge_small = mine.merge_small;
+  float* const q_rot = mine.q_rot;
+  float* const signs = mine.signs;
+  float* const warp_ml = mine.warp_ml;
+  float* const fresh_p = mine.fresh_p;
+  float* const row_inv = mine.row_inv;
+  int& is_last = mine.is_last;
+  static_assert(TEAMS == 1 || !(S::Q_IN_SMEM || S::SLICED), "teams hold their q fragments in registers, unsliced");
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
   // Sliced: the warps' partial scores of a step's tiles (two buffers, alternating by step: one barrier per step).
   __shared__ float4 partial_scores[S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 : 1];
-  __shared__ float warp_ml[WARPS * MAX_ROWS * 2];
-  __shared__ float fresh_p[MAX_ROWS * MAX_ROWS];
-  __shared__ float row_inv[MAX_ROWS];
-  __shared__ int is_last;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = team_thread<TEAMS>(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const CtaIndex cta = cta_index(p);
+  const int block = blockIdx.x * TEAMS + team;
+  if constexpr (TEAMS > 1) {
+    // The teams build the shared tables together, before either takes its own path; a CTA's last team may have
+    // no part (an odd number of parts).
+    S::KTable::template build_shared<TEAMS>(k_table, team, tid);
+    if constexpr (!S::SHARED_TABLE) S::VTable::template build_shared<TEAMS>(v_table, team, tid);
+    __syncthreads();
+    if (block >= p.num_parts * p.batch_kv_heads) return;
+  }
+  const CtaIndex cta = cta_index(p, block);
   const int split = cta.part, bh = cta.bh;
   const int b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads;
   const int rows = p.tq * p.group;
@@ -1745,12 +1850,13 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   // The CTAs of parts num_splits and after attend the exact rows, then join the merge.
   if constexpr (EXACT) {
     if (split == p.num_splits) {
-      const CtaIndex exact_cta = exact_cta_index(p);
-      exact_part<D>(p, exact_cta, code_tables, q_rot, signs);
+      const CtaIndex exact_cta = exact_cta_index(p, block);
+      exact_part<D, TEAMS>(p, exact_cta, scratch, q_rot, signs);
       TURBOATTN_STAMP(5);
       TURBOATTN_STAMP(11);
       if (p.counters != nullptr)
-        join_and_merge<D>(p, exact_cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
+        join_and_merge<D, TEAMS>(p, exact_cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml, fresh_p, signs,
+                                 is_last);
       TURBOATTN_STAMP(7);
       TURBOATTN_STAMP(12);
       return;
@@ -1860,8 +1966,8 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   // The tables come from the codebooks' constants, so they are built while the loads are in flight (ptxas
   // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
   if constexpr (S::GROUPED) S::K::build(k_table);
-  else S::KTable::build(k_table);
-  if constexpr (!S::SHARED_TABLE) S::VTable::build(v_table);
+  else if constexpr (TEAMS == 1) S::KTable::build(k_table);
+  if constexpr (!S::SHARED_TABLE && TEAMS == 1) S::VTable::build(v_table);
   TURBOATTN_STAMP(9);
   if constexpr (FOLD) {
     for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
@@ -1890,7 +1996,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       for (int i = 0; i < N; ++i) row[lane * N + i] = qx[k][i];
     }
   }
-  __syncthreads();  // publishes the tables and the rotated queries
+  team_sync<TEAMS>();  // publishes the tables (one team) and the rotated queries
   // The rotations are unnormalized: 1 / sqrt(D), or a group's 1 / sqrt(P) (both groups' P alike: KeyGroups).
   const float q_norm = p.q_scale * rsqrtf(static_cast<float>(S::GROUPED ? GroupShape<S::GROUPED ? GA : 16>::P : D));
   // B fragments of Q^T (16 dims x 8 rows) per k-step: row g, the dims that the K fragments hold at k-indices
@@ -1904,7 +2010,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   uint2 qb[S::Q_IN_SMEM ? 1 : S::K_STEPS];
   if constexpr (S::Q_IN_SMEM) {
     for (int kk = warp; kk < S::K_STEPS; kk += WARPS) q_frag[kk * 32 + lane] = q_fragment(kk);
-    __syncthreads();
+    team_sync<TEAMS>();
   } else {
 #pragma unroll
     for (int kk = 0; kk < S::K_STEPS; ++kk) qb[kk] = q_fragment(kk);
@@ -1969,7 +2075,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
 #pragma unroll
     for (int k = 0; k < NT; ++k)
       buf[(k * WARPS + warp) * 32 + lane] = make_float4(ss[k][0], ss[k][1], ss[k][2], ss[k][3]);
-    __syncthreads();
+    team_sync<TEAMS>();
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
       float4 sum = buf[k * WARPS * 32 + lane];
@@ -2122,7 +2228,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   }
   if constexpr (S::SLICED) {
     // Every warp holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
-    __syncthreads();  // the code tables are no longer read (the merge reuses their space)
+    team_sync<TEAMS>();  // the code tables are no longer read (the merge reuses their space; sliced: one team)
     TURBOATTN_STAMP(0);
     // A merge in its own launch takes the parts in the model's domain (model_domain_parts): the rows go through
     // shared memory (q_rot, unused after the set-up) to be rotated back a row per warp.
@@ -2143,18 +2249,19 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       if (warp == 0 && g == 0) p.lse_part[part] = l[e] != 0.f ? m[e] + log2f(l[e]) : -INFINITY;
     }
     if (apart) {
-      __syncthreads();
+      team_sync<TEAMS>();
       store_parts_in_model_domain<D>(p, q_rot, signs, ((size_t)bh * p.num_parts + split) * rows, rows, warp, lane);
     }
     TURBOATTN_STAMP(5);
     TURBOATTN_STAMP(11);
     if (p.counters != nullptr)
-      join_and_merge<D>(p, cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
+      join_and_merge<D, TEAMS>(p, cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml, fresh_p, signs,
+                               is_last);
     TURBOATTN_STAMP(7);
     TURBOATTN_STAMP(12);
     return;
   }
-  __syncthreads();  // the code tables are no longer read: their space takes the warps' outputs
+  team_sync<TEAMS>();  // the code tables are no longer read (one team): the scratch takes the warps' outputs
   TURBOATTN_STAMP(0);
   if (g == 0) {
 #pragma unroll
@@ -2163,13 +2270,13 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
       warp_ml[(warp * MAX_ROWS + 2 * c + e) * 2 + 1] = l[e];
     }
   }
-  __syncthreads();
+  team_sync<TEAMS>();
   {
     // o_warp[warp][slot(d)][row]: a lane's two rows (2c, 2c + 1) of one dim are one 8-byte store, and slot(d) moves
     // the dims of lanes g and g' (g != g' mod 4) to different 32-byte bank groups, so a half-warp's 16 stores hit 16
     // distinct bank pairs (the plain [row][d] layout put 8 lanes on one bank).  The row sums and the LSEs are
     // computed once per row (warp 0's lanes with g = 0).
-    float* o_warp = reinterpret_cast<float*>(code_tables);
+    float* o_warp = reinterpret_cast<float*>(scratch);
     auto slot = [](int d) { return d ^ ((d / S::V::LANE_BYTES) & 3); };
     float f[2];
 #pragma unroll
@@ -2200,7 +2307,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
         *at = make_float2(acc[t][2 * h] * f[0], acc[t][2 * h + 1] * f[1]);
       }
     }
-    __syncthreads();
+    team_sync<TEAMS>();
     // Sum the warps: a thread per dim and set of rows (consecutive threads write consecutive dims of a row).
     constexpr int THREADS = WARPS * 32, ROW_SETS = THREADS / D > 1 ? THREADS / D : 1, RPT = MAX_ROWS / ROW_SETS;
     const size_t part0 = ((size_t)bh * p.num_parts + split) * rows;
@@ -2227,7 +2334,7 @@ __global__ void __launch_bounds__(WARPS * 32, (ctas_per_sm<D, KB, VB, EXACT, GA,
   TURBOATTN_STAMP(5);
   TURBOATTN_STAMP(11);
   if (p.counters != nullptr)
-    join_and_merge<D>(p, cta, S::DYNAMIC_WORDS, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
+    join_and_merge<D, TEAMS>(p, cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
   TURBOATTN_STAMP(7);
   TURBOATTN_STAMP(12);
 }
@@ -2376,7 +2483,12 @@ int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t st
 // context; the binding made q's device current).
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
 int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  constexpr int smem = dynamic_bytes<D, KB, VB, GA, KB2>();
+  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
+  constexpr int smem = dynamic_bytes<D, KB, VB, EXACT, GA, KB2>();
+  // A team's merge on the kernel's tail keeps its weights in the team's scratch.
+  if (S::TEAMS > 1 && params.counters != nullptr &&
+      params.tq * params.group * params.num_parts > S::TEAM_MERGE_WORDS)
+    return static_cast<int>(cudaErrorInvalidValue);
   static bool allowed[64] = {};
   int device = 0;
   cudaGetDevice(&device);
@@ -2388,7 +2500,10 @@ int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) 
     allowed[device] = true;
   }
   // One CTA per split, plus the exact parts' (params.num_parts counts both), in one dimension (cta_index).
-  decode<D, KB, VB, EXACT, GA, KB2><<<params.num_parts * batch_kv_heads, WARPS * 32, smem, stream>>>(params);
+  // TEAMS parts per CTA (Shape::TEAMS).
+  constexpr int teams = S::TEAMS;
+  decode<D, KB, VB, EXACT, GA, KB2>
+      <<<(params.num_parts * batch_kv_heads + teams - 1) / teams, WARPS * 32 * teams, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
