@@ -230,8 +230,8 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if q_in_smem else 0) + 2048
               + (2 * 2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
 
-    def by_smem(tables: int) -> int:
-        return 228 * 1024 // (max(tables, scratch) + static + 1024)
+    def by_smem(dynamic: int, teams: int = 1) -> int:   # CTAs of `teams` teams, each with its static arrays
+        return teams * (228 * 1024 // (dynamic + teams * static + 1024))
     if head_dim in (256, 512):
         by_regs = 2
     elif head_dim == 64:
@@ -245,14 +245,13 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
         def tables_of(wide: bool) -> int:
             return table(k_bits, wide) + (0 if k_bits == v_bits else table(v_bits, wide))
         wide_gains = 8 not in (k_bits, v_bits) and (k_bits, v_bits) != (4, 2)   # measured: decode.cuh's Shape
-        wide_fits = wide_gains and by_smem(tables_of(True)) >= by_regs
+        wide_fits = wide_gains and by_smem(max(tables_of(True), scratch)) >= by_regs
         if not wide_fits and not sliced and (k_bits, v_bits) == (4, 4) and not (head_dim == 128 and exact):
             # Two teams per CTA share one wide table, each with its own scratch and static arrays.
             team_scratch = 4 * max(4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS // 2)
-            blocks = 228 * 1024 // (tables_of(True) + 2 * team_scratch + 2 * static + 1024)
-            return min(2 * blocks, by_regs)
+            return min(by_smem(tables_of(True) + 2 * team_scratch, teams=2), by_regs)
         tables = tables_of(wide_fits)   # 4-bit tables wide where the CTAs still fit
-    return min(by_smem(tables), by_regs)
+    return min(by_smem(max(tables, scratch)), by_regs)
 
 
 @dataclass(frozen=True)

@@ -252,8 +252,6 @@ struct CodeTable<8, COMPACT, WIDE> {
   static constexpr int WORDS = 0;
   __device__ __forceinline__ static uint32_t lane_offset(int) { return 0; }
   __device__ __forceinline__ static void build(uint32_t*) {}
-  template <int TEAMS>
-  __device__ static void build_shared(uint32_t*, int, int) {}
   // half2 (level of byte i of x, level of byte j of x).
   __device__ __forceinline__ static uint32_t levels(uint32_t x, int i, int j) {
     const uint32_t biased = __byte_perm(x, 0x64u, i | 4 << 4 | j << 8 | 4 << 12);  // (1024 + x_i, 1024 + x_j)
@@ -746,8 +744,10 @@ struct Shape {
   static constexpr int STATIC_BYTES = 4 * MAX_ROWS * D + (Q_IN_SMEM ? K_STEPS * 32 * 8 : 0) + 2048 +
                                       (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
   static constexpr int BY_REGISTERS = ctas_by_registers<D, KB, VB, EXACT>();
-  static constexpr int ctas_by_shared(int table_words) {
-    return SM_SHARED_BYTES / ((table_words > SCRATCH_WORDS ? table_words : SCRATCH_WORDS) * 4 + STATIC_BYTES + 1024);
+  // CTAs per SM that shared memory allows, of `dynamic_words` each and `teams` teams (each a CTA of the grid, with
+  // its own static arrays).
+  static constexpr int ctas_by_shared(int dynamic_words, int teams) {
+    return teams * (SM_SHARED_BYTES / (dynamic_words * 4 + teams * STATIC_BYTES + 1024));
   }
   // A 2-bit table is compact beside a second table and at D <= 128 (CodeTable).  4-bit tables are WIDE (a lookup's
   // offset in one byte-permute) where the CTAs per SM that the registers allow still fit: k4v4 at D = 64, 256 and
@@ -757,7 +757,9 @@ struct Shape {
   static constexpr int WIDE_TABLE_WORDS =
       CodeTable<KB, K_COMPACT, true>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB, V_COMPACT, true>::WORDS);
   static constexpr bool WIDE_GAINS = !GROUPED && KB != 8 && VB != 8 && !(KB == 4 && VB == 2);
-  static constexpr bool WIDE_FITS = WIDE_GAINS && ctas_by_shared(WIDE_TABLE_WORDS) >= BY_REGISTERS;
+  static constexpr bool WIDE_FITS =
+      WIDE_GAINS &&
+      ctas_by_shared(WIDE_TABLE_WORDS > SCRATCH_WORDS ? WIDE_TABLE_WORDS : SCRATCH_WORDS, 1) >= BY_REGISTERS;
   // Where the CTAs would not fit, k4v4's CTAs hold two teams of warps that share one wide table, each with its own
   // scratch after it (TEAMS; the shared memory of two CTAs, less one table): the plain kernel at D = 128 (0.93-0.95
   // at B = 4 to 32, 1.02 at B = 1) and the exact-row build at D = 64 (0.97); the exact-row build at D = 128 spilled
@@ -1440,10 +1442,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
 constexpr int ctas_per_sm() {
   using S = Shape<D, KB, VB, GA, KB2, EXACT>;
-  // Teams: a CTA of TEAMS teams counts as TEAMS (each one of the grid's parts).
-  constexpr int by_smem = S::TEAMS > 1 ? S::TEAMS * (SM_SHARED_BYTES / (S::DYNAMIC_WORDS * 4 +
-                                                                      S::TEAMS * S::STATIC_BYTES + 1024))
-                                       : S::ctas_by_shared(S::TABLE_WORDS);
+  constexpr int by_smem = S::ctas_by_shared(S::DYNAMIC_WORDS, S::TEAMS);
   return by_smem < S::BY_REGISTERS ? by_smem : S::BY_REGISTERS;
 }
 
@@ -1834,8 +1833,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
   if constexpr (TEAMS > 1) {
     // The teams build the shared tables together, before either takes its own path; a CTA's last team may have
     // no part (an odd number of parts).
+    static_assert(S::SHARED_TABLE, "teams share k4v4's one table");
     S::KTable::template build_shared<TEAMS>(k_table, team, tid);
-    if constexpr (!S::SHARED_TABLE) S::VTable::template build_shared<TEAMS>(v_table, team, tid);
     __syncthreads();
     if (block >= p.num_parts * p.batch_kv_heads) return;
   }
@@ -1967,7 +1966,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
   // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
   if constexpr (S::GROUPED) S::K::build(k_table);
   else if constexpr (TEAMS == 1) S::KTable::build(k_table);
-  if constexpr (!S::SHARED_TABLE && TEAMS == 1) S::VTable::build(v_table);
+  if constexpr (!S::SHARED_TABLE) S::VTable::build(v_table);
   TURBOATTN_STAMP(9);
   if constexpr (FOLD) {
     for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
