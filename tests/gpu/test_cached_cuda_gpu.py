@@ -87,22 +87,42 @@ def test_cuda_decode_other_bit_widths(d, bits, case):
     _check_against_reference(case, d, bits)
 
 
-# k4v4's plain kernel at D = 128 and its exact-row build at D = 64 run two teams of warps per CTA (decode.cuh:
-# Shape::TEAMS): an odd number of parts in the grid leaves the last CTA's second team without one (3 sequences x 1
-# KV head x 1 split; 1 x 1 x 5 splits), also where exact CTAs follow the splits (3 sequences x (2 or 3 splits and
-# the plan's exact CTAs): one of the two grids is odd).  (d, scale dtype, cache options, case)
+# Grids of more than two parts per SM run k4v4's plain kernel at D = 128 and its exact-row build at D = 64 as CTAs of
+# two teams of warps (decode.cuh: Shape::TEAMS); smaller ones run D = 128's small-grid build (Shape::SMALL_GRID) and
+# D = 64's build as one part per CTA (launch), which is what the other tests' grids take.  Here 3 sequences x 1 KV
+# head take enough splits of 64 keys (CUDA_CHUNK_ALIGN; the last one 58) for an odd number of parts past twice the
+# SMs, so the last CTA's second team has none, also where the plan's exact CTA follows each head's splits (two split
+# counts: one of the two grids is odd).  (d, scale dtype, cache options, splits past the least)
 TEAM_CASES = [
-    (128, torch.float32, dict(), (3, 1, 4, 3000, None, 1, True, None, False, False, 1)),
-    (128, torch.float32, dict(), (1, 1, 8, 5000, None, 1, False, None, True, False, 5)),
-    (64, torch.bfloat16, dict(exact_recent=64), (3, 1, 3, 3000, None, 1, True, None, False, False, 2)),
-    (64, torch.bfloat16, dict(exact_recent=64), (3, 1, 3, 3000, None, 1, True, None, False, False, 3)),
+    (128, torch.float32, dict(), 0),
+    (64, torch.bfloat16, dict(exact_recent=64), 0),
+    (64, torch.bfloat16, dict(exact_recent=64), 1),
 ]
 
 
-@pytest.mark.parametrize("d,scale_dtype,options,case", TEAM_CASES,
+def _splits_past_two_per_sm(sequences_x_heads: int, extra: int = 0) -> int:
+    """Splits per (sequence, KV head) that make the grid more than two parts per SM."""
+    return 2 * sm_count(torch.device("cuda")) // sequences_x_heads + 1 + extra
+
+
+@pytest.mark.parametrize("d,scale_dtype,options,extra", TEAM_CASES,
                          ids=[f"D{c[0]}-{str(c[1])[6:]}-{c[2]}-{c[3]}" for c in TEAM_CASES])
-def test_cuda_decode_teams_with_an_odd_number_of_parts(d, scale_dtype, options, case):
+def test_cuda_decode_teams_with_an_odd_number_of_parts(d, scale_dtype, options, extra):
+    splits = _splits_past_two_per_sm(3, extra)
+    if not options and splits % 2 == 0:
+        splits += 1   # 3 x splits parts: odd
+    case = (3, 1, 4 if d == 128 else 3, 64 * splits - 6, None, 1, True, None, False, False, splits)
     _check_against_reference(case, d, (4, 4), scale_dtype, options)
+
+
+# CASES (rings, windows, several query rows, fresh tokens, softcap, sinks, key transforms) on k4v4's plain kernel at
+# D = 128 in a grid of more than two parts per SM, where CASES themselves take its small-grid build (some splits
+# of a ring's few slots hold no keys).
+@pytest.mark.parametrize("index", [0, 1, 4, 7, 8], ids=lambda i: str(CASES[i]))
+def test_cuda_decode_matches_reference_on_large_grids(index):
+    case = CASES[index]
+    splits = _splits_past_two_per_sm(case[0] * case[1])
+    _check_against_reference(case[:-1] + (splits,), 128)
 
 
 # The quality presets' storage options on the CUDA kernel: bfloat16 scales, an exact recent window (one chunk,

@@ -218,7 +218,9 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     two-tile step's). Registers: 4 CTAs (128 per thread) for k4v4, k2v2 and k3v3's plain build at D = 128, k4v4's and
     k2v2's exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain D
     = 64 kernels of codes up to 4 bits or 8, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256 and at
-    D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md)."""
+    D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md). The plan counts these CTAs
+    even where the launcher runs k4v4's small-grid twin at D = 128 (2 CTAs per SM, for grids of at most two parts
+    per SM: decode.cuh's Shape::SMALL_GRID), whose grid the same plan's parts fill."""
     def table(bits: int, wide: bool = False) -> int:
         if bits in UNIFORM_BITS:   # levels computed from the code byte: no table
             return 0

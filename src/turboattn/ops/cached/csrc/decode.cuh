@@ -18,6 +18,8 @@
 //     register pairs two keys' centroids of one dim: 4-bit codes, and 2 and 3-bit codes at D <= 256, merge the two
 //     keys' fields into one byte first, whose lookup is the register; the others byte-permute two lookups.
 //     ValueCodes<BITS>::dim says which dims tile t holds; output dims are un-permuted on store.
+//   Key m above is the MMAs' row m (k-index m of the PV product), which holds key tile_key(m) of the tile: a
+//   permutation where it makes each value load read whole 128-byte lines (Shape::PERMUTED_KEYS).
 // Centroids come from byte -> fp16 tables in shared memory (CodeTable), a copy per lane or per lane pair (no bank
 // conflicts); a lookup is one byte-permute (rows 256 bytes apart) or one shift and one lop3, and one shared load.
 // 8-bit codes' uniform levels are computed from the byte instead (CodeTable<8>: a byte-permute and an fma per
@@ -81,11 +83,10 @@ constexpr int STAMP_SLOTS = 16;
 #ifdef TURBOATTN_STAMPS
 template <int D>
 __device__ __forceinline__ void stamp(const DecodeParams& p, int slot) {
-  // A team is a CTA here (blockDim.x / (WARPS x 32) teams per launched CTA).
-  const int teams = blockDim.x / (WARPS * 32);
+  // A team is a CTA here: team t of launched CTA b stamps for part b + t gridDim.x (decode).
   if (threadIdx.x % (WARPS * 32) != 0) return;
-  const size_t parts_floats = (size_t)gridDim.x * teams * p.tq * p.group * D;  // o_part's parts: CTAs x rows x D
-  const size_t cta = (size_t)blockIdx.x * teams + threadIdx.x / (WARPS * 32);
+  const size_t parts_floats = (size_t)p.num_parts * p.batch_kv_heads * p.tq * p.group * D;  // parts x rows x D
+  const size_t cta = blockIdx.x + threadIdx.x / (WARPS * 32) * (size_t)gridDim.x;
   unsigned long long* at = reinterpret_cast<unsigned long long*>(p.o_part + parts_floats) + cta * STAMP_SLOTS;
   unsigned long long v;
   if (slot >= 10 && slot <= 12) {
@@ -693,7 +694,12 @@ constexpr int SM_SHARED_BYTES = 228 * 1024;  // per SM, of which the SM reserves
 
 // GA > 0: keys in two channel groups (KeyGroups: GA channels at KB bits, D - GA at KB2).  EXACT: the build for
 // caches with exact rows (only the main loop's step differs, at D = 64).
-template <int D, int KB, int VB, int GA = 0, int KB2 = 0, bool EXACT = false>
+// SMALL_GRID: a twin build for grids of at most SMALL_GRID_CTAS parts per SM (launch: one sequence x 8 KV heads x 32
+// splits on 132 SMs), which leave most of an SM's registers unused by the plain build's 128 per thread.  Bound to
+// that many CTAs, the twin walks two-tile steps with two tiles in flight (202 registers for k4v4 at D = 128, no
+// spill), one team and a wide table: twice the independent work per warp where two warps share a scheduler.
+constexpr int SMALL_GRID_CTAS = 2;
+template <int D, int KB, int VB, int GA = 0, int KB2 = 0, bool EXACT = false, bool SMALL_GRID = false>
 struct Shape {
   static constexpr int SLICES = slices<D>();
   static constexpr bool SLICED = SLICES > 1;
@@ -719,7 +725,7 @@ struct Shape {
   // sides keep one-tile steps.  The exact-row build keeps one tile and 4 CTAs, which let the exact CTAs share the
   // splits' wave (ctas_per_sm).
   static constexpr bool D64_STEP_PAIRS = (KB <= 4 || KB == 8) && (VB <= 4 || VB == 8);
-  static constexpr int STEP_TILES = D == 512 || (D == 64 && !EXACT && !GROUPED && D64_STEP_PAIRS) ||
+  static constexpr int STEP_TILES = SMALL_GRID || D == 512 || (D == 64 && !EXACT && !GROUPED && D64_STEP_PAIRS) ||
                                             (D == 256 && !GROUPED && (KB == 2 || KB == 4) && VB == 2)
                                         ? 2
                                         : 1;
@@ -743,7 +749,7 @@ struct Shape {
   // sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
   static constexpr int STATIC_BYTES = 4 * MAX_ROWS * D + (Q_IN_SMEM ? K_STEPS * 32 * 8 : 0) + 2048 +
                                       (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
-  static constexpr int BY_REGISTERS = ctas_by_registers<D, KB, VB, EXACT>();
+  static constexpr int BY_REGISTERS = SMALL_GRID ? SMALL_GRID_CTAS : ctas_by_registers<D, KB, VB, EXACT>();
   // CTAs per SM that shared memory allows, of `dynamic_words` each and `teams` teams (each a CTA of the grid, with
   // its own static arrays).
   static constexpr int ctas_by_shared(int dynamic_words, int teams) {
@@ -765,12 +771,16 @@ struct Shape {
   // at B = 4 to 32, 1.02 at B = 1) and the exact-row build at D = 64 (0.97); the exact-row build at D = 128 spilled
   // 40 bytes and ran 1.09, and keeps one team and the narrow table.
   static constexpr int TEAMS =
-      !WIDE_FITS && !GROUPED && !SLICED && KB == 4 && VB == 4 && !(D == 128 && EXACT) ? 2 : 1;
+      !WIDE_FITS && !GROUPED && !SLICED && !SMALL_GRID && KB == 4 && VB == 4 && !(D == 128 && EXACT) ? 2 : 1;
   static constexpr bool WIDE = WIDE_FITS || TEAMS > 1;
   using KTable = CodeTable<KB, K_COMPACT, WIDE>;
   using VTable = CodeTable<VB, V_COMPACT, WIDE>;
   using K = std::conditional_t<GROUPED, KeyGroups<D, GA, KB, KB2>, KeyCodes<KB, D, SLICES, KTable>>;
   using V = ValueCodes<VB, D, SLICES, VTable>;
+  // The tile's keys in the MMAs' order (tile_key) where a key's values are less than a 128-byte line: at D = 128
+  // k4v4 0.98 of the natural order's time at B = 8 and 32, k2v2 0.99, k5v4 0.975 (H200).  Not for 3-bit values
+  // (two planes of 32 and 16 bytes at D = 128): k3v3 0.999, k4v3 1.013.
+  static constexpr bool PERMUTED_KEYS = V::ROW_BYTES < 128 && VB != 3;
   static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
   static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
   // Team i's scratch: SCRATCH_SPAN words from SCRATCH_AT + i SCRATCH_SPAN; one team's is the tables' space.  A
@@ -900,7 +910,7 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf)
 }
 
 // One warp's 16-key tile as this lane needs it: K code words of keys g and g + 8, V code words of keys 2c, 2c+1,
-// 2c+8, 2c+9, and the scales of keys g and g + 8 (the lane's score keys).
+// 2c+8, 2c+9, and the scales of keys g and g + 8 (the lane's score keys), keys m being the tile's keys tile_key(m).
 // The k-steps of key group a (the scores' first chain); every k-step when the keys are not grouped.
 template <class S>
 __host__ __device__ constexpr int key_group_steps() {
@@ -922,10 +932,10 @@ struct TileData {
 // a float (float32: the word itself; bfloat16: its half moved up), so that both dtypes take the same instructions
 // (a branch on the dtype per load was if-converted into both loads and both addresses).
 struct LanePointers {
-  const uint8_t* k;   // K codes of key g, from byte c KeyCodes::LANE_BYTES of the low plane
-  const uint8_t* v;   // V codes of key 2c, from byte g ValueCodes::LANE_BYTES of the low plane
-  const uint8_t* ks;  // the word that holds the K scale of key g, block 0
-  const uint8_t* vs;  // the word that holds the V scale of key g, block 0
+  const uint8_t* k;   // K codes of tile key kg = tile_key(g), from byte c KeyCodes::LANE_BYTES of the low plane
+  const uint8_t* v;   // V codes of tile key value_key(c, 0), from byte g ValueCodes::LANE_BYTES of the low plane
+  const uint8_t* ks;  // the word that holds the K scale of tile key kg, block 0
+  const uint8_t* vs;  // the word that holds the V scale of tile key kg, block 0
   int k_high, v_high;  // two-plane codes: the high plane's slice, in bytes after the low plane's
   int scale_row;       // bytes per key of the scales (norm blocks x 2 or 4)
   int block_step;      // bytes from block 0's word to block 1's (two norm blocks, or the K side's two key groups)
@@ -1013,6 +1023,20 @@ __device__ __forceinline__ void load_scales(const LanePointers& lp, const int (&
   }
 }
 
+// The tile's keys in the MMAs' order: score row (and PV k-index) m holds key tile_key(m) of the tile.  PERMUTED
+// (Shape::PERMUTED_KEYS, where a key's values are less than a 128-byte line): m = 8 n + r -> 8 n + r / 2 + 4 (r % 2),
+// the same for both products (the transpose of P keeps m).  Lane c's values (k-indices 2c, 2c + 1, 2c + 8, 2c + 9)
+// are then keys c, c + 4, c + 8 and c + 12, so each of its four value loads reads four consecutive keys across the
+// warp (at D = 128, 4 bits: two whole lines) where keys 2c + j touched four lines, half of each.
+template <bool PERMUTED>
+__host__ __device__ constexpr int tile_key(int m) { return PERMUTED ? (m & 8) | (m & 7) >> 1 | (m & 1) << 2 : m; }
+static_assert(tile_key<true>(2) == 1 && tile_key<true>(3) == 5 && tile_key<true>(9) == 12 && tile_key<false>(3) == 3,
+              "tile_key");
+// The tile key of value word j of lane c (k-index 2c + (j & 1) + 8 (j >> 1)); value_key(c, j) - value_key(c, 0) =
+// value_key(0, j).
+template <bool PERMUTED>
+__host__ __device__ constexpr int value_key(int c, int j) { return tile_key<PERMUTED>(2 * c + (j & 1) + 8 * (j >> 1)); }
+
 template <class S>
 __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, TileData<S>& t) {
   constexpr int KR = S::K::ROW_BYTES, VR = S::V::ROW_BYTES;
@@ -1025,24 +1049,25 @@ __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, Tile
   }
   load_scales<S, false>(lp, {tile, tile + 8}, t);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) load_slice<typename S::V>(v + ((j & 1) + 8 * (j >> 1)) * VR, lp.v_high, t.vw[j]);
+  for (int j = 0; j < 4; ++j)
+    load_slice<typename S::V>(v + value_key<S::PERMUTED_KEYS>(0, j) * VR, lp.v_high, t.vw[j]);
 }
 
 // The last tile of a full cache: slots past the capacity read the last slot (the softmax masks them).
 template <class S>
-__device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int tile, int capacity, int g, int c,
+__device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int tile, int capacity, int kg, int c,
                                                   TileData<S>& t) {
   int slots[2];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    slots[n] = min(tile + 8 * n + g, capacity - 1) - g;  // lp.k already points at key g
+    slots[n] = min(tile + 8 * n + kg, capacity - 1) - kg;  // lp.k already points at key kg
     if constexpr (S::GROUPED) S::K::load(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, c, t.kw[n]);
     else load_slice<typename S::K>(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
   }
   load_scales<S, true>(lp, slots, t);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int slot = min(tile + 2 * c + (j & 1) + 8 * (j >> 1), capacity - 1) - 2 * c;
+    const int slot = min(tile + value_key<S::PERMUTED_KEYS>(c, j), capacity - 1) - value_key<S::PERMUTED_KEYS>(c, 0);
     load_slice<typename S::V>(lp.v + (size_t)slot * S::V::ROW_BYTES, lp.v_high, t.vw[j]);
   }
 }
@@ -1439,17 +1464,17 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
 // CTAs per SM that the kernel's registers and shared memory allow (the launch bound; ops/cached/config.py plans
 // splits with the same numbers, and a GPU test compares them).  Measured: 4 at D <= 128 and 2 at D = 256 for
 // 4-bit codes (BENCHMARKS.md); wider codes need more prefetch registers, two tables more shared memory.
-template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0, bool SMALL_GRID = false>
 constexpr int ctas_per_sm() {
-  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
+  using S = Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>;
   constexpr int by_smem = S::ctas_by_shared(S::DYNAMIC_WORDS, S::TEAMS);
   return by_smem < S::BY_REGISTERS ? by_smem : S::BY_REGISTERS;
 }
 
 // Dynamic shared memory of decode<D, KB, VB, EXACT, GA, KB2>: the code tables (later reused to combine the warps and
 // merge), and with teams each team's scratch after them.
-template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
-constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT>::DYNAMIC_WORDS * 4; }
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0, bool SMALL_GRID = false>
+constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::DYNAMIC_WORDS * 4; }
 
 // The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
 // address is still a constant, so a table's address stays a uniform operand of its loads.
@@ -1791,11 +1816,12 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
 
 // EXACT: built for caches with exact rows (more CTAs attend them); a separate build keeps that code out of the
 // other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
-template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
-__global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>::TEAMS,
-                                  (ctas_per_sm<D, KB, VB, EXACT, GA, KB2>() / Shape<D, KB, VB, GA, KB2, EXACT>::TEAMS))
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0, bool SMALL_GRID = false>
+__global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::TEAMS,
+                                  (ctas_per_sm<D, KB, VB, EXACT, GA, KB2, SMALL_GRID>() /
+                                   Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::TEAMS))
     decode(const DecodeParams p) {
-  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
+  using S = Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>;
   constexpr int TEAMS = S::TEAMS;
   // The code tables (dynamic, shared by the teams), the rotated queries, the q fragments when they live in shared
   // memory, and the warps' row statistics (a team's own).
@@ -1829,7 +1855,9 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
 
   const int tid = team_thread<TEAMS>(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int block = blockIdx.x * TEAMS + team;
+  // Team t of CTA b takes part b + t gridDim.x of the grid: a launch of one CTA per part (launch: small grids) then
+  // leaves every CTA's second team without one.
+  const int block = blockIdx.x + team * gridDim.x;
   if constexpr (TEAMS > 1) {
     // The teams build the shared tables together, before either takes its own path; a CTA's last team may have
     // no part (an odd number of parts).
@@ -1883,6 +1911,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
   const int qpos[2] = {qpos_base + quotient(p.group_div, 2 * c), qpos_base + quotient(p.group_div, 2 * c + 1)};
 
   const size_t row0 = (size_t)bh * p.capacity;
+  const int kg = tile_key<S::PERMUTED_KEYS>(g);  // the tile keys of this lane's score rows g and g + 8: kg, kg + 8
   const int scale_bytes = p.scale_bf16 ? 2 : 4;
   // Two-plane codes: where this lane's high-plane slices start (relative to its low-plane ones) and the bit at
   // which their fields' high bits start.
@@ -1901,10 +1930,11 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
   }
   const int v_first = vg * S::V::LANE_BYTES, v_shift = S::V::High::shift(v_first);
   const bool bf16 = p.scale_bf16 != 0;
-  const uint8_t* const ks0 = static_cast<const uint8_t*>(p.k_scales) + (row0 + g) * S::KNB * scale_bytes;
-  const uint8_t* const vs0 = static_cast<const uint8_t*>(p.v_scales) + (row0 + g) * S::NB * scale_bytes;
-  const LanePointers lp{pinned(p.k_codes + (row0 + g) * S::K::ROW_BYTES + k_first, lane),
-                        pinned(p.v_codes + (row0 + 2 * c) * S::V::ROW_BYTES + v_first, lane),
+  const uint8_t* const ks0 = static_cast<const uint8_t*>(p.k_scales) + (row0 + kg) * S::KNB * scale_bytes;
+  const uint8_t* const vs0 = static_cast<const uint8_t*>(p.v_scales) + (row0 + kg) * S::NB * scale_bytes;
+  const LanePointers lp{pinned(p.k_codes + (row0 + kg) * S::K::ROW_BYTES + k_first, lane),
+                        pinned(p.v_codes + (row0 + value_key<S::PERMUTED_KEYS>(c, 0)) * S::V::ROW_BYTES + v_first,
+                               lane),
                         pinned(scale_word(ks0), lane), pinned(scale_word(vs0), lane),
                         k_high, S::V::High::offset(v_first) - v_first,
                         S::NB * scale_bytes,
@@ -1913,7 +1943,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
                         S::KNB * scale_bytes, scale_selector(vs0, bf16)};
   auto load = [&](int tile, TileData<S>& t) {
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
-    else load_tile_clamped<S>(lp, tile, p.capacity, g, c, t);
+    else load_tile_clamped<S>(lp, tile, p.capacity, kg, c, t);
   };
   // (Key groups' tables, 4 to 8 bits, all have KTable's one column per lane.)
   const uint32_t k_lane = S::KTable::lane_offset(lane), v_lane = S::VTable::lane_offset(lane);
@@ -2095,7 +2125,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT>:
     if (tile < safe_lo || tile + TILE_KEYS > safe_hi) {
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        const int slot = tile + 8 * n + g;
+        const int slot = tile + 8 * n + kg;
         const int pos = position(slot);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -2477,33 +2507,62 @@ int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t st
   return static_cast<int>(cudaGetLastError());
 }
 
-// Launches decode<D, KB, VB, EXACT>.  Past 48 KB of shared memory, static and dynamic together, a kernel needs an
-// allowance for its dynamic part; every kernel gets it, once per device (function attributes belong to a device's
-// context; the binding made q's device current).
-template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
-int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
-  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
-  constexpr int smem = dynamic_bytes<D, KB, VB, EXACT, GA, KB2>();
-  // A team's merge on the kernel's tail keeps its weights in the team's scratch.
-  if (S::TEAMS > 1 && params.counters != nullptr &&
-      params.tq * params.group * params.num_parts > S::TEAM_MERGE_WORDS)
-    return static_cast<int>(cudaErrorInvalidValue);
+// decode<D, KB, VB, EXACT, GA, KB2, SMALL_GRID> on `ctas` CTAs (device: the current one).  Past 48 KB of shared
+// memory, static and dynamic together, a kernel needs an allowance for its dynamic part; every kernel gets it, once
+// per device (function attributes belong to a device's context; the binding made q's device current).
+template <int D, int KB, int VB, bool EXACT, int GA, int KB2, bool SMALL_GRID>
+int launch_build(const DecodeParams& params, int device, int ctas, cudaStream_t stream) {
+  using S = Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>;
+  constexpr int smem = dynamic_bytes<D, KB, VB, EXACT, GA, KB2, SMALL_GRID>();
   static bool allowed[64] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (!allowed[device]) {
-    const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT, GA, KB2>,
+    const cudaError_t err = cudaFuncSetAttribute(decode<D, KB, VB, EXACT, GA, KB2, SMALL_GRID>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
     allowed[device] = true;
   }
-  // One CTA per split, plus the exact parts' (params.num_parts counts both), in one dimension (cta_index).
-  // TEAMS parts per CTA (Shape::TEAMS).
-  constexpr int teams = S::TEAMS;
-  decode<D, KB, VB, EXACT, GA, KB2>
-      <<<(params.num_parts * batch_kv_heads + teams - 1) / teams, WARPS * 32 * teams, smem, stream>>>(params);
+  decode<D, KB, VB, EXACT, GA, KB2, SMALL_GRID><<<ctas, WARPS * 32 * S::TEAMS, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
+}
+
+// The builds that have a SMALL_GRID twin (Shape::SMALL_GRID), for grids of at most SMALL_GRID_CTAS parts per SM:
+// k4v4's plain kernel at D = 128.
+template <int D, int KB, int VB, bool EXACT, int GA, int KB2>
+constexpr bool has_small_grid_build() { return D == 128 && KB == 4 && VB == 4 && !EXACT && GA == 0; }
+
+// Launches decode<D, KB, VB, EXACT, GA, KB2>, or its SMALL_GRID twin for a grid that the twin holds at once.
+template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0>
+int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) {
+  using S = Shape<D, KB, VB, GA, KB2, EXACT>;
+  // A team's merge on the kernel's tail keeps its weights in the team's scratch.
+  if (S::TEAMS > 1 && params.counters != nullptr &&
+      params.tq * params.group * params.num_parts > S::TEAM_MERGE_WORDS)
+    return static_cast<int>(cudaErrorInvalidValue);
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
+  static int sms[64] = {};
+  if (sms[device] == 0) {
+    const cudaError_t err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  const int parts = params.num_parts * batch_kv_heads;
+  // A grid that the SMALL_GRID build holds at once takes it (k4v4, D = 128: one sequence x 8 KV heads x 32 splits
+  // 0.87 of the plain build's time, 2 x 8 x 16 splits 0.87, H200).
+  if constexpr (has_small_grid_build<D, KB, VB, EXACT, GA, KB2>()) {
+    static_assert(ctas_per_sm<D, KB, VB, EXACT, GA, KB2, true>() == SMALL_GRID_CTAS, "the small-grid build's CTAs");
+    if (parts <= SMALL_GRID_CTAS * sms[device])
+      return launch_build<D, KB, VB, EXACT, GA, KB2, true>(params, device, parts, stream);
+  }
+  // One CTA per split, plus the exact parts' (params.num_parts counts both), in one dimension (cta_index).
+  // TEAMS parts per CTA (Shape::TEAMS), except where CTAs of TEAMS parts would leave SMs without one (D = 64's
+  // exact-row build: one sequence x 3 KV heads x 65 parts, 98 CTAs on 132 SMs): there each CTA takes one part (its
+  // second team helps build the table and leaves), so that they spread over every SM; the registers and shared
+  // memory of TEAMS of them fit an SM, so the grid (fewer than TEAMS x SMs parts) is resident at once.
+  static_assert(S::TEAMS == 1 || ctas_per_sm<D, KB, VB, EXACT, GA, KB2>() >= S::TEAMS * S::TEAMS,
+                "TEAMS CTAs of one part each fit an SM");
+  const int teams = (parts + S::TEAMS - 1) / S::TEAMS < sms[device] ? 1 : S::TEAMS;
+  return launch_build<D, KB, VB, EXACT, GA, KB2, false>(params, device, (parts + teams - 1) / teams, stream);
 }
 
 // decode<D, KB, VB, EXACT> for the run-time bit pair, among TURBOATTN_BIT_PAIRS (decode.h): -1 for others.
