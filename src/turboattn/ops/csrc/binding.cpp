@@ -150,6 +150,7 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k_codes, const
               "turboattn decode: merge_slices must be 0 or a power of two of at most ", most_slices, " at head_dim ",
               head_dim, ", got ", merge_slices);
   p.merge_slices = static_cast<int>(merge_slices);
+  p.sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (merge_apart) p.counters = nullptr;
   int err = -1;
   if (key_group_a > 0) {

@@ -2541,17 +2541,12 @@ int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) 
   int device = 0;
   cudaGetDevice(&device);
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
-  static int sms[64] = {};
-  if (sms[device] == 0) {
-    const cudaError_t err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
   const int parts = params.num_parts * batch_kv_heads;
   // A grid that the SMALL_GRID build holds at once takes it (k4v4, D = 128: one sequence x 8 KV heads x 32 splits
   // 0.87 of the plain build's time, 2 x 8 x 16 splits 0.87, H200).
   if constexpr (has_small_grid_build<D, KB, VB, EXACT, GA, KB2>()) {
     static_assert(ctas_per_sm<D, KB, VB, EXACT, GA, KB2, true>() == SMALL_GRID_CTAS, "the small-grid build's CTAs");
-    if (parts <= SMALL_GRID_CTAS * sms[device])
+    if (parts <= SMALL_GRID_CTAS * params.sms)
       return launch_build<D, KB, VB, EXACT, GA, KB2, true>(params, device, parts, stream);
   }
   // One CTA per split, plus the exact parts' (params.num_parts counts both), in one dimension (cta_index).
@@ -2561,7 +2556,7 @@ int launch(const DecodeParams& params, int batch_kv_heads, cudaStream_t stream) 
   // memory of TEAMS of them fit an SM, so the grid (fewer than TEAMS x SMs parts) is resident at once.
   static_assert(S::TEAMS == 1 || ctas_per_sm<D, KB, VB, EXACT, GA, KB2>() >= S::TEAMS * S::TEAMS,
                 "TEAMS CTAs of one part each fit an SM");
-  const int teams = (parts + S::TEAMS - 1) / S::TEAMS < sms[device] ? 1 : S::TEAMS;
+  const int teams = (parts + S::TEAMS - 1) / S::TEAMS < params.sms ? 1 : S::TEAMS;
   return launch_build<D, KB, VB, EXACT, GA, KB2, false>(params, device, (parts + teams - 1) / teams, stream);
 }
 

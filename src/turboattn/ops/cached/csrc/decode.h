@@ -93,6 +93,7 @@ struct DecodeParams {
   // num_splits, num_kv_heads, group, the query rows (tq x group) and capacity as divisors (the binding makes them).
   Divisor splits_div, kv_heads_div, group_div, rows_div, capacity_div;
   int merge_slices;  // without counters: CTAs per output row of merge_rows (1; at D = 512 1, 2, 4 or 8)
+  int sms;           // the device's SMs (the launcher sizes small grids by them; the kernel does not read it)
 };
 
 }  // namespace turboattn
