@@ -52,12 +52,12 @@ def _build(name: str, *flags: str):
 
 def _nvcc_flags() -> list[str]:
     """Machine code for the sm_80+ GPUs this process sees, and nothing else (each architecture is a full build of
-    90 decode kernels); nvcc 12+ also spreads each translation unit's kernels over the cores (-split-compile=0)."""
+    90 decode kernels).  Not nvcc's -split-compile, which spread a translation unit's kernels over the cores: under
+    it ptxas kept the code table's shared-memory base out of the uniform registers in k4v4's two-team kernels (D = 128,
+    and D = 64's exact-row build), one more add per lookup of a key code, 46 more loop instructions per tile at D = 128
+    (nvcc 13.0, sm_90; BENCHMARKS.md)."""
     archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    flags = ["-O3"] + [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs if (a, b) >= (8, 0)]
-    if int((torch.version.cuda or "0").split(".")[0]) >= 12:
-        flags.append("-split-compile=0")
-    return flags
+    return ["-O3"] + [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs if (a, b) >= (8, 0)]
 
 
 def build_extension() -> bool:
