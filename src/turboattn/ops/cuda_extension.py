@@ -46,17 +46,19 @@ def stamped_extension():
 def _build(name: str, *flags: str):
     """The extension `name` built (or loaded from torch's cache) from every source, with extra nvcc flags."""
     from torch.utils.cpp_extension import load
-    return load(name=name, sources=[str(x) for x in _sources()], extra_cuda_cflags=_nvcc_flags() + list(flags),
+    return load(name=name, sources=[str(x) for x in _sources()], extra_cuda_cflags=nvcc_flags() + list(flags),
                 extra_include_paths=[str(x) for x in _INCLUDES], verbose=False)
 
 
-def _nvcc_flags() -> list[str]:
-    """Machine code for the sm_80+ GPUs this process sees, and nothing else (each architecture is a full build of
-    90 decode kernels).  Not nvcc's -split-compile, which spread a translation unit's kernels over the cores: under
-    it ptxas kept the code table's shared-memory base out of the uniform registers in k4v4's two-team kernels (D = 128,
-    and D = 64's exact-row build), one more add per lookup of a key code, 46 more loop instructions per tile at D = 128
-    (nvcc 13.0, sm_90; BENCHMARKS.md)."""
-    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+def nvcc_flags(archs: list[tuple[int, int]] | None = None) -> list[str]:
+    """nvcc's flags for the extension: machine code for the sm_80+ architectures `archs` (default: of the GPUs this
+    process sees), and nothing else (each architecture is a full build of 90 decode kernels).  Not nvcc's
+    -split-compile, which spread a translation unit's kernels over the cores: under it ptxas kept the code table's
+    shared-memory base out of the uniform registers in k4v4's two-team kernels (D = 128, and D = 64's exact-row
+    build), one more add per lookup of a key code, 46 more loop instructions per tile at D = 128 (nvcc 13.0, sm_90;
+    BENCHMARKS.md; tests/test_cuda_sass.py checks it)."""
+    if archs is None:
+        archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
     return ["-O3"] + [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in archs if (a, b) >= (8, 0)]
 
 
