@@ -12,13 +12,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from turboattn.ops import cuda_extension
 
-CSRC = cuda_extension._OPS / "cached" / "csrc"
+CSRC = Path(cuda_extension.__file__).parent / "cached" / "csrc"
 # The builds whose CTAs hold two teams that share one table (decode.cuh's Shape::TEAMS), as template arguments
 # <D, KB, VB, EXACT, GA, KB2, SMALL_GRID>, and a one-team build beside them.
 BUILDS = {
@@ -64,8 +65,11 @@ def test_code_lookups_take_the_table_base_from_a_uniform_register(build, tmp_pat
     source.write_text('#include "decode.cuh"\n'
                       f"template __global__ void turboattn::decode<{BUILDS[build]}>(const turboattn::DecodeParams);\n")
     cubin = tmp_path / "kernel.cubin"
-    subprocess.run([nvcc, "-std=c++17", "-cubin", *COMMON_NVCC_FLAGS, *cuda_extension.nvcc_flags([(9, 0)]),
-                    f"-I{CSRC}", "-o", str(cubin), str(source)], check=True, capture_output=True)
+    built = subprocess.run([nvcc, "-std=c++17", "-cubin", *COMMON_NVCC_FLAGS, *cuda_extension.nvcc_flags([(9, 0)]),
+                            f"-I{CSRC}", "-o", str(cubin), str(source)], capture_output=True, text=True)
+    if "Unsupported gpu architecture" in built.stderr:
+        pytest.skip("this nvcc does not build sm_90")
+    assert built.returncode == 0, built.stderr[-3000:]
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
     loop = main_loop(sass)
     assert loop, "no main loop found in the SASS"
