@@ -950,18 +950,18 @@ struct LanePointers {
   uint32_t v_sel;      // key groups: V's permutation (its rows are half as long as K's)
 };
 
-// A lane's pointer through an identity shuffle, which ptxas cannot see through: it then keeps the pointer in
-// registers, where it recomputed it from the thread index and the CTA's head in every tile (nvcc 13.0, sm_90: 11-78
-// fewer instructions in the main loop; H100: k3v3 2-6% faster, k4v4 up to 3%).
+// A lane's word through an identity shuffle, which ptxas cannot see through: it then keeps the value in a register
+// where it would recompute it in every tile (Shape::PINNED_SELECTORS).
+__device__ __forceinline__ uint32_t pinned_word(uint32_t x, int lane) { return __shfl_sync(0xffffffffu, x, lane); }
+
+// A lane's pointer, pinned: ptxas recomputed it from the thread index and the CTA's head in every tile (nvcc 13.0,
+// sm_90: 11-78 fewer instructions in the main loop; H100: k3v3 2-6% faster, k4v4 up to 3%).
 __device__ __forceinline__ const uint8_t* pinned(const uint8_t* ptr, int lane) {
   const uint64_t x = reinterpret_cast<uint64_t>(ptr);
-  const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(x), lane);
-  const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(x >> 32), lane);
+  const uint32_t lo = pinned_word(static_cast<uint32_t>(x), lane);
+  const uint32_t hi = pinned_word(static_cast<uint32_t>(x >> 32), lane);
   return reinterpret_cast<const uint8_t*>((static_cast<uint64_t>(hi) << 32) | lo);
 }
-
-// A lane's word through an identity shuffle (as pinned).
-__device__ __forceinline__ uint32_t pinned_word(uint32_t x, int lane) { return __shfl_sync(0xffffffffu, x, lane); }
 
 // The byte permutations that make a scale's word its float: float32, the word itself; bfloat16, the word's low or
 // high half moved up.
