@@ -836,6 +836,29 @@ __device__ __forceinline__ void load_row(const void* base, int dtype, long long 
   }
 }
 
+// load_row in two halves, so that nothing waits on the loads where they are issued: N consecutive elements as
+// raw words (16-bit elements zero-extended; one branch on the dtype around the loads), and later as floats.
+template <int N>
+__device__ __forceinline__ void load_row_raw(const void* base, int dtype, long long offset, uint32_t (&raw)[N]) {
+  if (dtype == 2) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) raw[i] = src[i];
+  } else {
+    const unsigned short* src = reinterpret_cast<const unsigned short*>(base) + offset;
+#pragma unroll
+    for (int i = 0; i < N; ++i) raw[i] = src[i];
+  }
+}
+template <int N>
+__device__ __forceinline__ void raw_to_floats(int dtype, const uint32_t (&raw)[N], float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    x[i] = dtype == 2 ? __uint_as_float(raw[i])
+           : dtype == 1 ? __uint_as_float(raw[i] << 16)
+                        : __half2float(__ushort_as_half(static_cast<unsigned short>(raw[i])));
+}
+
 // W 32-bit words to an aligned address, in 16-, 8- or 4-byte stores.
 template <int W>
 __device__ __forceinline__ void store_words(void* dst, const uint32_t (&w)[W]) {
@@ -1082,9 +1105,11 @@ __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int ti
 
 // Fast Walsh-Hadamard transform (unnormalized, Sylvester order) of a D-vector held by one warp: lane l holds
 // dims l N ... l N + N - 1 (N = D / 32) in x.  The low log2 N stages stay in registers, the other five are
-// butterflies across lanes (one shuffle per value): no shared memory, no barrier.  ROLLED keeps the five lane
-// stages in a loop: shorter code where it runs once from a cold instruction cache (the merge's rotation back); the
-// set-up unrolls them, which lets two rows' shuffles overlap.
+// butterflies across lanes (one shuffle per value): no shared memory, no barrier.  A lane stage is one fma per
+// value, x * sign + other, sign -1 where the lane holds the butterfly's second half (other - x, rounded as the
+// difference is; a select and an add took two).  ROLLED keeps the five lane stages in a loop: shorter code where it
+// runs once from a cold instruction cache (the merge's rotation back); the set-up unrolls them, which lets two rows'
+// shuffles overlap.
 template <int D, bool ROLLED = false>
 __device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
   constexpr int N = D / 32, LANE_STAGES_UNROLLED = ROLLED ? 1 : 5;
@@ -1100,12 +1125,9 @@ __device__ __forceinline__ void hadamard_warp(float (&x)[D / 32], int lane) {
   }
 #pragma unroll LANE_STAGES_UNROLLED
   for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = lane & m;  // this lane holds the butterfly's second half
+    const float sign = lane & m ? -1.f : 1.f;
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float other = __shfl_xor_sync(0xffffffffu, x[i], m);
-      x[i] = upper ? other - x[i] : x[i] + other;
-    }
+    for (int i = 0; i < N; ++i) x[i] = fmaf(x[i], sign, __shfl_xor_sync(0xffffffffu, x[i], m));
   }
 }
 
@@ -1899,6 +1921,49 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   }
   // This split's slots, narrowed to what some query can see (as the Triton kernel does).
   const int seen = p.seen[b], start = p.starts[b];
+  // The set-up's other loads: the queries (row r = token r / G of query head kvh * G + r % G; warp w takes rows w
+  // and w + 4, lane l dims l N ...), the signs and the gains.  Below D = 512 they go out here, before anything waits
+  // on the lengths, and the queries stay raw words until the first tiles' loads are issued and the tables built:
+  // converted where they were loaded (load_row), each query row held the tiles' loads back by a round trip (ncu at
+  // B = 1: the conversion waited on its load first).  B = 1 at D = 128 took 0.951 of the time, D = 64 and 256 0.976
+  // (H200).  At D = 512 the same order took 1.05 (not explained; its exact-row builds also spilled more), so there
+  // they are loaded just before the tiles' loads, converted, the gain folded into the sign (16 fewer registers).
+  constexpr int N = D / 32;
+  constexpr bool LOADS_AHEAD = N < 16;
+  float sign[N], gain[N];   // (gain: LOADS_AHEAD only)
+  uint32_t q_raw[MAX_ROWS / WARPS][N];   // as loaded (LOADS_AHEAD), else the floats' bits
+  auto load_set_up = [&] {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      sign[i] = p.signs[lane * N + i];
+      const float gi = p.gain_inv ? p.gain_inv[(size_t)bh * D + lane * N + i] : 1.f;
+      if constexpr (LOADS_AHEAD) gain[i] = gi;
+      else sign[i] *= gi;
+    }
+#pragma unroll
+    for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
+      const int r = warp + k * WARPS, t = quotient(p.group_div, r), h = kvh * p.group + r - t * p.group;
+      const long long offset = b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N;
+      if (r >= rows) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) q_raw[k][i] = 0u;   // zero in every dtype
+      } else if constexpr (LOADS_AHEAD) {
+        load_row_raw<N>(p.q, p.q_dtype, offset, q_raw[k]);
+      } else {
+        float x[N];
+        load_row<N>(p.q, p.q_dtype, offset, x);
+#pragma unroll
+        for (int i = 0; i < N; ++i) q_raw[k][i] = __float_as_uint(x[i]);
+      }
+    }
+  };
+  if constexpr (LOADS_AHEAD) load_set_up();
+  // Key groups: the lane's stored channels' model channels.
+  int order[S::GROUPED ? GROUP_LANE_VALUES : 1];
+  if constexpr (S::GROUPED) {
+    static_assert(N == GROUP_LANE_VALUES, "key groups at D = 256: a lane's 8 channels lie in one group");
+    key_order_ahead<D>(p.key_order, bh, order);
+  }
   // The codes serve positions [code_lo, code_hi): the exact first tokens and the exact window are read in full
   // precision by the exact part instead.
   const int code_lo = start + p.exact_first, code_hi = seen - p.exact_recent;
@@ -1966,36 +2031,9 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   if (p.ring) safe_hi = safe_lo - 1;
 
 
-  // The set-up's loads go out before anything waits on them: the queries (row r = token r / G of query head
-  // kvh * G + r % G; warp w takes rows w and w + 4, lane l dims l N ...), the signs, the gains and the first tile.
-  // (An L2 prefetch of the split's first keys here, or kept running ahead of the warps, measured no faster.)
-  constexpr int N = D / 32;
-  // sign / gain of dim lane N + i: at D = 512 (N = 16) as one product, which saves registers in the set-up.
-  constexpr bool FOLD = N > 8;
-  float qx[MAX_ROWS / WARPS][N], sign[N], gain[FOLD ? 1 : N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    sign[i] = p.signs[lane * N + i];
-    const float gi = p.gain_inv ? p.gain_inv[(size_t)bh * D + lane * N + i] : 1.f;
-    if constexpr (FOLD) sign[i] *= gi;
-    else gain[i] = gi;
-  }
-  // Key groups: the lane's stored channels' model channels.
-  int order[S::GROUPED ? GROUP_LANE_VALUES : 1];
-  if constexpr (S::GROUPED) {
-    static_assert(N == GROUP_LANE_VALUES, "key groups at D = 256: a lane's 8 channels lie in one group");
-    key_order_ahead<D>(p.key_order, bh, order);
-  }
-#pragma unroll
-  for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
-    const int r = warp + k * WARPS, t = quotient(p.group_div, r), h = kvh * p.group + r - t * p.group;
-    if (r < rows) {
-      load_row<N>(p.q, p.q_dtype, b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N, qx[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) qx[k][i] = 0.f;
-    }
-  }
+  if constexpr (!LOADS_AHEAD) load_set_up();
+  // The first tiles' loads.  (An L2 prefetch of the split's first keys here, or kept running ahead of the warps,
+  // measured no faster.)
   TileData<S> next, ahead;  // the next tile, and (PREFETCH = 2) the one after it
   // Each warp walks its own tiles, or (sliced) every warp walks every tile.
   const int first_tile = lo + (S::SLICED ? 0 : warp * TILE_KEYS);
@@ -2010,7 +2048,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   else if constexpr (TEAMS == 1) S::KTable::build(k_table);
   if constexpr (!S::SHARED_TABLE) S::VTable::build(v_table);
   TURBOATTN_STAMP(9);
-  if constexpr (FOLD) {
+  if constexpr (!LOADS_AHEAD) {   // sign holds the gains too
     for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
   } else if (warp == 0) {
 #pragma unroll
@@ -2020,21 +2058,23 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
 #pragma unroll
   for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
     float* const row = q_rot + (warp + k * WARPS) * D;
+    float qx[N];
+    raw_to_floats<N>(LOADS_AHEAD ? p.q_dtype : 2, q_raw[k], qx);
     if constexpr (S::GROUPED) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) qx[k][i] *= gain[i];
-      to_stored_order(qx[k], row, order);
+      for (int i = 0; i < N; ++i) qx[i] *= gain[i];
+      to_stored_order(qx, row, order);
       // The signs of the lane's group's rotation: the table's first, at its channels' place in the group.
       const float* group_signs = p.signs + (lane * N < GA ? lane * N : lane * N - GA);
 #pragma unroll
-      for (int i = 0; i < N; ++i) row[lane * N + i] = qx[k][i] * group_signs[i];
+      for (int i = 0; i < N; ++i) row[lane * N + i] = qx[i] * group_signs[i];
       rotate_key_groups<D, GA>(row, p.hartley_a, p.hartley_b);
     } else {
 #pragma unroll
-      for (int i = 0; i < N; ++i) qx[k][i] *= FOLD ? sign[i] : gain[FOLD ? 0 : i] * sign[i];
-      hadamard_warp<D>(qx[k], lane);
+      for (int i = 0; i < N; ++i) qx[i] *= LOADS_AHEAD ? gain[i] * sign[i] : sign[i];
+      hadamard_warp<D>(qx, lane);
 #pragma unroll
-      for (int i = 0; i < N; ++i) row[lane * N + i] = qx[k][i];
+      for (int i = 0; i < N; ++i) row[lane * N + i] = qx[i];
     }
   }
   team_sync<TEAMS>();  // publishes the tables (one team) and the rotated queries
