@@ -1,10 +1,15 @@
-"""The CUDA decode kernel's main loop as the extension's own nvcc flags build it, read from a cubin's SASS (no GPU
-needed; skipped without nvcc or cuobjdump).
+"""The CUDA decode kernel as the extension's own nvcc flags build it, read from a cubin's SASS (no GPU needed;
+skipped without nvcc or cuobjdump): two properties that cost time, not correctness, so no output test would see them
+go (BENCHMARKS.md).
 
 A lookup of a code is a byte-permute and a shared load whose base, the code table's shared-memory address, ptxas
 keeps in a uniform register (`LDS R, [R + UR]`).  Under nvcc's -split-compile it kept that base in a regular register
 in k4v4's two-team kernels and added it to every key lookup's offset (`LDS R, [R]`): 46 more instructions per tile
-at D = 128, 4.6% of the kernel's time on an H200 (BENCHMARKS.md), with no change of output that a test would see.
+at D = 128, 4.6% of the kernel's time on an H200.
+
+Below D = 512 the set-up converts the query rows only after the first tiles' loads are issued: converted where they
+were loaded, each row's conversion waited on its load ahead of the tiles' loads (one sequence at D = 128 3.7%
+slower, H200).
 """
 
 from __future__ import annotations
@@ -58,22 +63,48 @@ def main_loop(sass: str) -> list[str]:
     return best
 
 
-@pytest.mark.parametrize("build", BUILDS)
-def test_code_lookups_take_the_table_base_from_a_uniform_register(build, tmp_path):
+def sass_of(build: str, tmp_path: Path) -> str:
+    """The SASS of decode<build> (its template arguments), compiled for sm_90 with the extension's flags."""
     nvcc, cuobjdump = tools()
     source = tmp_path / "kernel.cu"
     source.write_text('#include "decode.cuh"\n'
-                      f"template __global__ void turboattn::decode<{BUILDS[build]}>(const turboattn::DecodeParams);\n")
+                      f"template __global__ void turboattn::decode<{build}>(const turboattn::DecodeParams);\n")
     cubin = tmp_path / "kernel.cubin"
     built = subprocess.run([nvcc, "-std=c++17", "-cubin", *COMMON_NVCC_FLAGS, *cuda_extension.nvcc_flags([(9, 0)]),
                             f"-I{CSRC}", "-o", str(cubin), str(source)], capture_output=True, text=True)
     if "Unsupported gpu architecture" in built.stderr:
         pytest.skip("this nvcc does not build sm_90")
     assert built.returncode == 0, built.stderr[-3000:]
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
-    loop = main_loop(sass)
+    return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_code_lookups_take_the_table_base_from_a_uniform_register(build, tmp_path):
+    loop = main_loop(sass_of(BUILDS[build], tmp_path))
     assert loop, "no main loop found in the SASS"
     lookups = [t for t in loop if re.match(r"(@!?U?P\w+\s+)?LDS\b", t)]
     assert len(lookups) >= 32, f"{len(lookups)} shared loads in the main loop"
     apart = [t for t in lookups if not re.search(r"\[R\d+(\.\w+)?\+UR\d+", t)]
     assert not apart, f"{len(apart)} of {len(lookups)} lookups without a uniform base, e.g. {apart[0]}"
+
+
+# Builds whose set-up loads the queries ahead (below D = 512), as template arguments.
+SET_UP_BUILDS = {
+    "small-grid twin, D = 128": "128, 4, 4, false, 0, 0, true",
+    "k2v2 at D = 128": "128, 2, 2, false, 0, 0, false",
+    "D = 64": "64, 4, 4, false, 0, 0, false",
+    "D = 256": "256, 4, 4, false, 0, 0, false",
+}
+# A 16-bit query element made a float: bfloat16 by a shift into the high half, float16 by a conversion.
+QUERY_CONVERSION = re.compile(r"(IMAD\.U32|IMAD\.SHL\.U32) R\d+, R\d+, 0x10000\b|SHF\.L\.U32 R\d+, R\d+, 0x10\b|HADD2\.F32")
+
+
+@pytest.mark.parametrize("build", SET_UP_BUILDS)
+def test_the_set_up_converts_the_queries_after_the_tiles_loads_are_issued(build, tmp_path):
+    code = [m.group(2) for m in map(SASS_LINE.search, sass_of(SET_UP_BUILDS[build], tmp_path).splitlines()) if m]
+    first_tile = next((i for i, t in enumerate(code) if "LDG.E.EF" in t), None)   # the codes' streamed loads
+    assert first_tile is not None, "no streamed load of the codes in the SASS"
+    ahead = code[:first_tile]
+    assert any("LDG.E.U16" in t for t in ahead), "the 16-bit query loads are not issued before the tiles' loads"
+    early = [t for t in ahead if QUERY_CONVERSION.search(t)]
+    assert not early, f"{len(early)} query conversions before the tiles' loads, e.g. {early[0]}"

@@ -2273,8 +2273,9 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
     tile_pv(c1, e2[1], vs1);
   };
   // Each warp keeps its next PREFETCH tiles' loads in flight while it computes the current step.  (Unrolling the
-  // one-tile loop by two into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8
-  // L=32K.)
+  // loops by two into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K, and
+  // again for the loops of 2c9d94a, with 4-5% fewer instructions per tile: k4v4 1.11 at B = 8, 1.04-1.07 at B = 1
+  // and D = 512, other pairs up to 1.07, H200.)
   TURBOATTN_STAMP(3);
   if constexpr (S::STEP_TILES == 2) {
     // This warp's tiles in pairs (tile, tile + STRIDE), the next pair's loads in flight; an odd last tile alone.
