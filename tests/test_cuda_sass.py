@@ -96,7 +96,8 @@ SET_UP_BUILDS = {
     "D = 256": "256, 4, 4, false, 0, 0, false",
 }
 # A 16-bit query element made a float: bfloat16 by a shift into the high half, float16 by a conversion.
-QUERY_CONVERSION = re.compile(r"(IMAD\.U32|IMAD\.SHL\.U32) R\d+, R\d+, 0x10000\b|SHF\.L\.U32 R\d+, R\d+, 0x10\b|HADD2\.F32")
+QUERY_CONVERSION = re.compile(r"(IMAD\.U32|IMAD\.SHL\.U32) R\d+, R\d+, 0x10000\b"
+                              r"|SHF\.L\.U32 R\d+, R\d+, 0x10\b|HADD2\.F32")
 
 
 @pytest.mark.parametrize("build", SET_UP_BUILDS)
