@@ -50,9 +50,14 @@ def tools() -> tuple[str, str]:
     return nvcc, cuobjdump
 
 
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """The SASS's instructions in order, as (address, text)."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(SASS_LINE.search, sass.splitlines()) if m]
+
+
 def main_loop(sass: str) -> list[str]:
     """The instructions of the longest loop (a backward branch's span) that holds MMAs: the kernel's main loop."""
-    code = [(int(m.group(1), 16), m.group(2)) for m in map(SASS_LINE.search, sass.splitlines()) if m]
+    code = instructions(sass)
     best: list[str] = []
     for address, text in code:
         branch = BACKWARD_BRANCH.search(text)
@@ -102,7 +107,7 @@ QUERY_CONVERSION = re.compile(r"(IMAD\.U32|IMAD\.SHL\.U32) R\d+, R\d+, 0x10000\b
 
 @pytest.mark.parametrize("build", SET_UP_BUILDS)
 def test_the_set_up_converts_the_queries_after_the_tiles_loads_are_issued(build, tmp_path):
-    code = [m.group(2) for m in map(SASS_LINE.search, sass_of(SET_UP_BUILDS[build], tmp_path).splitlines()) if m]
+    code = [text for _, text in instructions(sass_of(SET_UP_BUILDS[build], tmp_path))]
     first_tile = next((i for i, t in enumerate(code) if "LDG.E.EF" in t), None)   # the codes' streamed loads
     assert first_tile is not None, "no streamed load of the codes in the SASS"
     ahead = code[:first_tile]
