@@ -325,6 +325,27 @@ def test_cuda_decode_query_dtypes_and_views(dtype, d):
     assert err < TOL, f"relative error {err:.3g}"
 
 
+# Query rows that start off a 16-byte boundary (views one element into a wider buffer) at D = 512, whose lanes read 16
+# elements of a row each: the set-up must not read q's rows in wide or asynchronous copies that assume alignment.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_decode_query_rows_off_16_byte_boundaries(dtype):
+    torch.manual_seed(5)
+    b, hkv, g, tq, length, d = 2, 2, 4, 1, 900, 512
+    codec = ta.KVCodec(d, 4, 4)
+    cache = ta.QuantizedKVCache(codec, b, hkv, capacity=length + tq, device="cuda")
+    k = torch.randn(b, hkv, length, d, device="cuda", dtype=dtype)
+    cache.append(k, torch.randn_like(k))
+    q = torch.randn(b, hkv * g, tq, d + 8, device="cuda", dtype=dtype)[..., 1:d + 1]   # rows 16-byte strided
+    assert q.stride(3) == 1 and all(q[i, h, 0].data_ptr() % 16 for i in range(b) for h in range(hkv * g))
+    sinks = torch.randn(hkv * g, device="cuda")
+    poison_allocator()
+    assert cuda.supports(q, codec, hkv)
+    out = ta.cached_attention(q, cache, sinks=sinks, num_splits=3)
+    ref = cached_attention_naive(q, cache.layout, codec, sinks=sinks, compute_dtype=torch.float64)
+    err = rel_error(out, ref)
+    assert err < TOL, f"relative error {err:.3g}"
+
+
 def test_cuda_decode_is_graph_capturable():
     codec = ta.KVCodec(128, 4, 4)
     cache = ta.QuantizedKVCache(codec, 2, 8, capacity=4096, device="cuda")
