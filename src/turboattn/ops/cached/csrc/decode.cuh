@@ -2275,7 +2275,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // Each warp keeps its next PREFETCH tiles' loads in flight while it computes the current step.  (Unrolling the
   // loops by two into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K, and
   // again for the loops of 2c9d94a, with 4-5% fewer instructions per tile: k4v4 1.11 at B = 8, 1.04-1.07 at B = 1
-  // and D = 512, other pairs up to 1.07, H200.)
+  // and D = 512, other pairs up to 1.07, H200.  Nor did staging the next tile in shared memory by cp.async, in the
+  // team's scratch: k4v4 at D = 128 1.05-1.09, ptxas keeping all 128 registers, BENCHMARKS.md.)
   TURBOATTN_STAMP(3);
   if constexpr (S::STEP_TILES == 2) {
     // This warp's tiles in pairs (tile, tile + STRIDE), the next pair's loads in flight; an odd last tile alone.
