@@ -1,6 +1,6 @@
 """The CUDA decode kernel as the extension's own nvcc flags build it, read from a cubin's SASS (no GPU needed;
-skipped without nvcc or cuobjdump): two properties that cost time, not correctness, so no output test would see them
-go (BENCHMARKS.md).
+skipped without nvcc or cuobjdump): three properties that cost time, not correctness, so no output test would see
+them go (BENCHMARKS.md).
 
 A lookup of a code is a byte-permute and a shared load whose base, the code table's shared-memory address, ptxas
 keeps in a uniform register (`LDS R, [R + UR]`).  Under nvcc's -split-compile it kept that base in a regular register
@@ -11,6 +11,9 @@ same to every lookup of k4v4's loop (128 per two-tile step, 1,467 -> 1,565 and 1
 Below D = 512 the set-up converts the query rows only after the first tiles' loads are issued: converted where they
 were loaded, each row's conversion waited on its load ahead of the tiles' loads (one sequence at D = 128 3.7%
 slower, H200).
+
+D = 128's kernels on 3 CTAs per SM skew their steps, a tile's PV product beside the next tile's scores (1.1-4.5%
+faster, H200).
 """
 
 from __future__ import annotations
@@ -117,3 +120,28 @@ def test_the_set_up_converts_the_queries_after_the_tiles_loads_are_issued(build,
     assert any("LDG.E.U16" in t for t in ahead), "the 16-bit query loads are not issued before the tiles' loads"
     early = [t for t in ahead if QUERY_CONVERSION.search(t)]
     assert not early, f"{len(early)} query conversions before the tiles' loads, e.g. {early[0]}"
+
+
+# Skewed steps (decode.cuh's Shape::SKEWED) compute a tile's scores beside the tile before's PV product: all of a
+# step's MMAs lie in one branch-free stretch ahead of the vote on the row maximum, where ptxas interleaves the two
+# chains; a one-tile step's PV MMAs follow its vote.  (build's template arguments, skewed)
+SKEW_BUILDS = {
+    "k5v4 at D = 128, skewed": ("128, 5, 4, false, 0, 0, false", True),
+    "k8v8 at D = 128, skewed": ("128, 8, 8, false, 0, 0, false", True),
+    "k4v4 at D = 128, one-tile steps": ("128, 4, 4, false, 0, 0, false", False),
+}
+
+
+@pytest.mark.parametrize("build", SKEW_BUILDS)
+def test_skewed_steps_run_both_products_before_the_vote(build, tmp_path):
+    arguments, skewed = SKEW_BUILDS[build]
+    loop = main_loop(sass_of(arguments, tmp_path))
+    mmas = [i for i, t in enumerate(loop) if "HMMA" in t]
+    votes = [i for i, t in enumerate(loop) if "VOTE.ANY" in t]
+    assert len(mmas) == 16 and len(votes) == 1, f"{len(mmas)} MMAs and {len(votes)} votes in the main loop"
+    branches = [t for t in loop[mmas[0]:mmas[-1]] if re.search(r"\bBRA\b", t)]
+    if skewed:
+        assert mmas[-1] < votes[0], "MMAs after the vote"
+        assert not branches, f"{len(branches)} branches between the MMAs, e.g. {branches[0]}"
+    else:
+        assert mmas[-1] > votes[0], "a one-tile step's PV MMAs follow its vote"

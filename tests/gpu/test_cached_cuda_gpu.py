@@ -65,8 +65,17 @@ BIT_PAIRS = sorted(CUDA_BIT_PAIRS - {(4, 4)})
 TWO_TILE_STEPS_AT_256 = ((2, 2), (4, 2))
 
 
+# At D = 128 the pairs on skewed steps (Shape::SKEWED: 3 CTAs per SM, but k4v3), where a tile's PV product runs in
+# the next step, also run softcap over 3 splits (case 2), 100 keys (6: warps without a tile, whose one product is
+# the zero P of the step before the first) and 256 ring slots with softcap and sinks (8).
+def _skewed_at_128(bits: tuple) -> bool:
+    return cuda_ctas_per_sm(128, *bits) == 3 and bits != (4, 3)
+
+
 def _bits_cases(d: int, bits: tuple) -> tuple:
-    return (1, 7) if d == 128 else (1, 6, 7, 8) if d == 256 and bits in TWO_TILE_STEPS_AT_256 else (8,)
+    if d == 128:
+        return (1, 2, 6, 7, 8) if _skewed_at_128(bits) else (1, 7)
+    return (1, 6, 7, 8) if d == 256 and bits in TWO_TILE_STEPS_AT_256 else (8,)
 
 
 BITS_CASES = [(d, bits, CASES[i]) for d in CUDA_HEAD_DIMS for bits in BIT_PAIRS for i in _bits_cases(d, bits)]
@@ -156,6 +165,7 @@ OPTION_CASES = [
     # bfloat16 scales are read as the aligned words that hold them: odd capacities (3,001 and 2,001 slots) put a
     # lane's scales in either half of a word, and the last tile, past the capacity, takes the clamped loads.
     (128, (3, 3), torch.bfloat16, dict(), 2),
+    (128, (5, 4), torch.bfloat16, dict(), 5),   # skewed steps (Shape::SKEWED)
     (256, (6, 6), torch.bfloat16, dict(), 5),
     (512, (2, 2), torch.bfloat16, dict(), 2),
     (64, (5, 4), torch.bfloat16, dict(), 5),

@@ -4,7 +4,8 @@
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
 // online softmax, and the warps are combined at the end.  (k4v4 at D = 128 launches CTAs of two such teams, one part
-// each, that share the code table: Shape::TEAMS.)  Keys sit on the MMA's M side ("swap AB": a decode step
+// each, that share the code table: Shape::TEAMS; D = 128's kernels on 3 CTAs per SM run a tile's PV product in
+// the next tile's step: Shape::SKEWED.)  Keys sit on the MMA's M side ("swap AB": a decode step
 // has at most 8 query rows per KV head, the N = 8 side), and every code byte is decoded exactly once per CTA,
 // straight into an MMA fragment (lane = 4 g + c):
 //   * scores S^T = K Q^T: the A operand (16 keys x 16 dims) of lane (g, c) holds keys g and g + 8 at the k-indices
@@ -750,6 +751,18 @@ struct Shape {
   static constexpr int STATIC_BYTES = 4 * MAX_ROWS * D + (Q_IN_SMEM ? K_STEPS * 32 * 8 : 0) + 2048 +
                                       (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
   static constexpr int BY_REGISTERS = SMALL_GRID ? SMALL_GRID_CTAS : ctas_by_registers<D, KB, VB, EXACT>();
+  // Skewed one-tile steps: step t computes tile t's scores and softmax beside tile t - 1's PV product, two
+  // independent chains where a one-tile step runs them in a row; the K side (codes and scales) of tile t + 1 and the
+  // V codes of tile t are in flight.  The same registers as a one-tile step's loads, and the same operations on the
+  // accumulators in the same order (outputs bit-identical).  Where a warp has up to 168 registers (3 CTAs per SM at
+  // D = 128), against one-tile steps at B = 8 x 32K (H200, BENCHMARKS.md): k8v4 0.957, k4v2 0.964, k4v8 and k2v8
+  // 0.970, k5v4 0.972, k8v2 0.980, k5v5, k6v6 and k8v8 0.985, k2v4 0.988, k5v3 0.989; k4v3 1.036 keeps one-tile
+  // steps.  At 128 registers (4 CTAs) it ran slower: k4v4 1.04-1.07, k3v3 1.021, k2v2 0.998; so did D = 64's
+  // one-tile pairs (1.02-1.03, its exact-row k5v3 1.11) and D = 256's k3v3 (1.021); D = 128's exact-row k5v3 ran
+  // 0.998-1.009.
+  static constexpr bool SKEWED =
+      D == 128 && !EXACT && !GROUPED && !SMALL_GRID && BY_REGISTERS == 3 && !(KB == 4 && VB == 3);
+  static_assert(!SKEWED || (STEP_TILES == 1 && PREFETCH == 1 && !SLICED), "skewed steps are one-tile steps");
   // CTAs per SM that shared memory allows, of `dynamic_words` each and `teams` teams (each a CTA of the grid, with
   // its own static arrays).
   static constexpr int ctas_by_shared(int dynamic_words, int teams) {
@@ -1068,38 +1081,50 @@ static_assert(tile_key<true>(2) == 1 && tile_key<true>(3) == 5 && tile_key<true>
 template <bool PERMUTED>
 __host__ __device__ constexpr int value_key(int c, int j) { return tile_key<PERMUTED>(2 * c + (j & 1) + 8 * (j >> 1)); }
 
-template <class S>
+// What a load of a tile reads: the K codes with both sides' scales (what the tile's scores and softmax take), the V
+// codes (its PV product), or both.
+constexpr int KEY_SIDE = 1, VALUE_SIDE = 2, BOTH_SIDES = 3;
+
+template <class S, int SIDES = BOTH_SIDES>
 __device__ __forceinline__ void load_tile(const LanePointers& lp, int tile, TileData<S>& t) {
   constexpr int KR = S::K::ROW_BYTES, VR = S::V::ROW_BYTES;
   const uint8_t* k = lp.k + (size_t)tile * KR;
   const uint8_t* v = lp.v + (size_t)tile * VR;
+  if constexpr ((SIDES & KEY_SIDE) != 0) {
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    if constexpr (S::GROUPED) S::K::load(k + 8 * n * KR, threadIdx.x & 3, t.kw[n]);
-    else load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
+    for (int n = 0; n < 2; ++n) {
+      if constexpr (S::GROUPED) S::K::load(k + 8 * n * KR, threadIdx.x & 3, t.kw[n]);
+      else load_slice<typename S::K>(k + 8 * n * KR, lp.k_high, t.kw[n]);
+    }
+    load_scales<S, false>(lp, {tile, tile + 8}, t);
   }
-  load_scales<S, false>(lp, {tile, tile + 8}, t);
+  if constexpr ((SIDES & VALUE_SIDE) != 0) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    load_slice<typename S::V>(v + value_key<S::PERMUTED_KEYS>(0, j) * VR, lp.v_high, t.vw[j]);
+    for (int j = 0; j < 4; ++j)
+      load_slice<typename S::V>(v + value_key<S::PERMUTED_KEYS>(0, j) * VR, lp.v_high, t.vw[j]);
+  }
 }
 
 // The last tile of a full cache: slots past the capacity read the last slot (the softmax masks them).
-template <class S>
+template <class S, int SIDES = BOTH_SIDES>
 __device__ __forceinline__ void load_tile_clamped(const LanePointers& lp, int tile, int capacity, int kg, int c,
                                                   TileData<S>& t) {
-  int slots[2];
+  if constexpr ((SIDES & KEY_SIDE) != 0) {
+    int slots[2];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    slots[n] = min(tile + 8 * n + kg, capacity - 1) - kg;  // lp.k already points at key kg
-    if constexpr (S::GROUPED) S::K::load(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, c, t.kw[n]);
-    else load_slice<typename S::K>(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
+    for (int n = 0; n < 2; ++n) {
+      slots[n] = min(tile + 8 * n + kg, capacity - 1) - kg;  // lp.k already points at key kg
+      if constexpr (S::GROUPED) S::K::load(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, c, t.kw[n]);
+      else load_slice<typename S::K>(lp.k + (size_t)slots[n] * S::K::ROW_BYTES, lp.k_high, t.kw[n]);
+    }
+    load_scales<S, true>(lp, slots, t);
   }
-  load_scales<S, true>(lp, slots, t);
+  if constexpr ((SIDES & VALUE_SIDE) != 0) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int slot = min(tile + value_key<S::PERMUTED_KEYS>(c, j), capacity - 1) - value_key<S::PERMUTED_KEYS>(c, 0);
-    load_slice<typename S::V>(lp.v + (size_t)slot * S::V::ROW_BYTES, lp.v_high, t.vw[j]);
+    for (int j = 0; j < 4; ++j) {
+      const int slot = min(tile + value_key<S::PERMUTED_KEYS>(c, j), capacity - 1) - value_key<S::PERMUTED_KEYS>(c, 0);
+      load_slice<typename S::V>(lp.v + (size_t)slot * S::V::ROW_BYTES, lp.v_high, t.vw[j]);
+    }
   }
 }
 
@@ -2022,6 +2047,11 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
     if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
     else load_tile_clamped<S>(lp, tile, p.capacity, kg, c, t);
   };
+  auto load_side = [&](auto side, int tile, TileData<S>& t) {
+    constexpr int SIDES = decltype(side)::value;
+    if (tile + TILE_KEYS <= p.capacity) load_tile<S, SIDES>(lp, tile, t);
+    else load_tile_clamped<S, SIDES>(lp, tile, p.capacity, kg, c, t);
+  };
   // (Key groups' tables, 4 to 8 bits, all have KTable's one column per lane.)
   const uint32_t k_lane = S::KTable::lane_offset(lane), v_lane = S::VTable::lane_offset(lane);
   // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
@@ -2038,7 +2068,11 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // Each warp walks its own tiles, or (sliced) every warp walks every tile.
   const int first_tile = lo + (S::SLICED ? 0 : warp * TILE_KEYS);
   constexpr int STRIDE = S::SLICED ? TILE_KEYS : WARPS * TILE_KEYS;
-  if (first_tile < hi) load(first_tile, next);
+  if constexpr (S::SKEWED) {
+    if (first_tile < hi) load_side(std::integral_constant<int, KEY_SIDE>{}, first_tile, next);
+  } else if (first_tile < hi) {
+    load(first_tile, next);
+  }
   if constexpr (S::PREFETCH > 1)
     if (first_tile + STRIDE < hi) load(first_tile + STRIDE, ahead);
   TURBOATTN_STAMP(2);
@@ -2231,9 +2265,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   };
   // A tile's PV product.  P^T (16 keys x 8 rows) times the V scales, from the accumulator layout to the B layout:
   // one 8x8 transpose per 8 keys; one P per norm block when the tiles alternate blocks.
-  auto tile_pv = [&](const TileData<S>& cur, const float (&e2)[4], const float (&v_scale)[2][S::NB]) {
-    constexpr int P_SETS = S::V::TILE_BLOCKS ? S::NB : 1;
-    uint32_t pb[P_SETS][2];
+  constexpr int P_SETS = S::V::TILE_BLOCKS ? S::NB : 1;
+  auto p_fragments = [&](const float (&e2)[4], const float (&v_scale)[2][S::NB], uint32_t (&pb)[P_SETS][2]) {
 #pragma unroll
     for (int b = 0; b < P_SETS; ++b) {
       float vs[2];
@@ -2243,6 +2276,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
       pb[b][0] = transpose_8x8(pack_half2(e2[0] * vs[0], e2[1] * vs[0]));
       pb[b][1] = transpose_8x8(pack_half2(e2[2] * vs[1], e2[3] * vs[1]));
     }
+  };
+  auto pv_product = [&](const TileData<S>& cur, const uint32_t (&pb)[P_SETS][2]) {
     // O^T += V^T P^T: dim tile t holds dims ValueCodes::dim(g', t, 0) (rows g') and dim(g', t, 1) (rows g' + 8).
 #pragma unroll
     for (int t = 0; t < S::DIM_TILES; ++t) {
@@ -2250,6 +2285,11 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
       const int b = S::V::TILE_BLOCKS ? t % 2 : 0;
       mma_16816(acc[t], a.x, a.y, a.z, a.w, pb[b][0], pb[b][1]);
     }
+  };
+  auto tile_pv = [&](const TileData<S>& cur, const float (&e2)[4], const float (&v_scale)[2][S::NB]) {
+    uint32_t pb[P_SETS][2];
+    p_fragments(e2, v_scale, pb);
+    pv_product(cur, pb);
   };
   // A one-tile step: scores, online softmax, and the PV product.
   auto process = [&](const TileData<S>& cur, const int tile) {
@@ -2278,7 +2318,31 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // and D = 512, other pairs up to 1.07, H200.  Nor did staging the next tile in shared memory by cp.async, in the
   // team's scratch: k4v4 at D = 128 1.05-1.09, ptxas keeping all 128 registers, BENCHMARKS.md.)
   TURBOATTN_STAMP(3);
-  if constexpr (S::STEP_TILES == 2) {
+  if constexpr (S::SKEWED) {
+    // Step t: the K side of tile t + STRIDE and the V side of tile t go out; tile t's scores, and tile t - STRIDE's
+    // PV product, whose P (pb) the last step left; then tile t's softmax (its rescale of the accumulators follows the
+    // PV product in program order) and P.  Before the first tile, P and the V words are zero: that product adds 0
+    // (zero words look up finite centroids), as does the last one of a warp without a tile.
+    uint32_t pb[P_SETS][2];
+#pragma unroll
+    for (int b = 0; b < P_SETS; ++b) pb[b][0] = pb[b][1] = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int w = 0; w < S::V::WORDS; ++w) next.vw[j][w] = 0u;
+    for (int tile = first_tile; tile < hi; tile += STRIDE) {
+      const TileData<S> cur = next;
+      if (tile + STRIDE < hi) load_side(std::integral_constant<int, KEY_SIDE>{}, tile + STRIDE, next);
+      load_side(std::integral_constant<int, VALUE_SIDE>{}, tile, next);
+      float s[1][4], v_scale[2][S::NB], e2[1][4];
+      tile_scores(cur, s[0], v_scale);
+      pv_product(cur, pb);
+      cap_and_mask(tile, s[0]);
+      softmax_step(s, e2);
+      p_fragments(e2[0], v_scale, pb);
+    }
+    pv_product(next, pb);
+  } else if constexpr (S::STEP_TILES == 2) {
     // This warp's tiles in pairs (tile, tile + STRIDE), the next pair's loads in flight; an odd last tile alone.
     int tile = first_tile;
     for (; tile + STRIDE < hi; tile += 2 * STRIDE) {
