@@ -2043,15 +2043,13 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
                         static_cast<int>(scale_word(ks0 + scale_bytes) - scale_word(ks0)),
                         {selector(ks0), selector(ks0 + scale_bytes)},
                         S::KNB * scale_bytes, scale_selector(vs0, bf16)};
-  auto load = [&](int tile, TileData<S>& t) {
-    if (tile + TILE_KEYS <= p.capacity) load_tile<S>(lp, tile, t);
-    else load_tile_clamped<S>(lp, tile, p.capacity, kg, c, t);
-  };
+  // A tile's loads (`side`: a std::integral_constant of KEY_SIDE, VALUE_SIDE or BOTH_SIDES), clamped past the capacity.
   auto load_side = [&](auto side, int tile, TileData<S>& t) {
     constexpr int SIDES = decltype(side)::value;
     if (tile + TILE_KEYS <= p.capacity) load_tile<S, SIDES>(lp, tile, t);
     else load_tile_clamped<S, SIDES>(lp, tile, p.capacity, kg, c, t);
   };
+  auto load = [&](int tile, TileData<S>& t) { load_side(std::integral_constant<int, BOTH_SIDES>{}, tile, t); };
   // (Key groups' tables, 4 to 8 bits, all have KTable's one column per lane.)
   const uint32_t k_lane = S::KTable::lane_offset(lane), v_lane = S::VTable::lane_offset(lane);
   // Tiles that no mask touches: [safe_lo, safe_hi) in slots when the cache is not a ring (the causal limit,
