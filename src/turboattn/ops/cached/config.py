@@ -26,7 +26,8 @@ MIN_KEYS_PER_SPLIT = 1024
 
 # The CUDA kernel (cuda.py): the (K bits, V bits) pairs of CUDA_BIT_PAIRS at these head dims, at most 8 query rows
 # per KV head (the MMA's N side), at most CUDA_MAX_PARTS parts (its merge's scratch).  Its split rule
-# (cuda_num_splits) is fitted to split-count sweeps on an H100 (BENCHMARKS.md).
+# (cuda_num_splits) is fitted to split-count sweeps on an H100; on an H200 no other count beat its plans
+# (BENCHMARKS.md).
 CUDA_HEAD_DIMS = (64, 128, 256, 512)
 # The Triton kernels of the compressed cache (cached attention, quantize-append) serve every head dim of the
 # format: powers of two in the plain layout, the others (D = P * m, m odd) in the padded layout of

@@ -1951,8 +1951,9 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // on the lengths, and the queries stay raw words until the first tiles' loads are issued and the tables built:
   // converted where they were loaded (load_row), each query row held the tiles' loads back by a round trip (ncu at
   // B = 1: the conversion waited on its load first).  B = 1 at D = 128 took 0.963 of the time, D = 64 0.985, D = 256
-  // 0.989 (H200).  At D = 512 the same order took 1.05 (not explained; its exact-row builds also spilled more), so
-  // there they are loaded just before the tiles' loads, converted, the gain folded into the sign (16 fewer registers).
+  // 0.989 (H200).  At D = 512 the same order took 1.05 (not explained; its exact-row builds also spilled more), and
+  // loading them after the first tiles' loads 1.02-1.04, so there they are loaded just before the tiles' loads,
+  // converted, the gain folded into the sign (16 fewer registers).
   constexpr int N = D / 32;
   constexpr bool LOADS_AHEAD = N < 16;
   float sign[N], gain[N];   // (gain: LOADS_AHEAD only)
