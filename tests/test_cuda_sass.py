@@ -12,8 +12,8 @@ Below D = 512 the set-up converts the query rows only after the first tiles' loa
 were loaded, each row's conversion waited on its load ahead of the tiles' loads (one sequence at D = 128 3.7%
 slower, H200).
 
-D = 128's kernels on 3 CTAs per SM skew their steps, a tile's PV product beside the next tile's scores (1.1-4.5%
-faster, H200).
+D = 128's plain kernels on 3 CTAs per SM, but k4v3's, skew their steps, a tile's PV product beside the next tile's
+scores (1.1-4.5% faster, H200).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
 // online softmax, and the warps are combined at the end.  (k4v4 at D = 128 launches CTAs of two such teams, one part
-// each, that share the code table: Shape::TEAMS; D = 128's kernels on 3 CTAs per SM run a tile's PV product in
-// the next tile's step: Shape::SKEWED.)  Keys sit on the MMA's M side ("swap AB": a decode step
+// each, that share the code table: Shape::TEAMS; D = 128's plain kernels on 3 CTAs per SM, but k4v3's, run a
+// tile's PV product in the next tile's step: Shape::SKEWED.)  Keys sit on the MMA's M side ("swap AB": a decode step
 // has at most 8 query rows per KV head, the N = 8 side), and every code byte is decoded exactly once per CTA,
 // straight into an MMA fragment (lane = 4 g + c):
 //   * scores S^T = K Q^T: the A operand (16 keys x 16 dims) of lane (g, c) holds keys g and g + 8 at the k-indices
