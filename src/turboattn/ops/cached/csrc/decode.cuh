@@ -782,7 +782,9 @@ struct Shape {
   // Where the CTAs would not fit, k4v4's CTAs hold two teams of warps that share one wide table, each with its own
   // scratch after it (TEAMS; the shared memory of two CTAs, less one table): the plain kernel at D = 128 (0.93-0.95
   // at B = 4 to 32, 1.02 at B = 1) and the exact-row build at D = 64 (0.97); the exact-row build at D = 128 spilled
-  // 40 bytes and ran 1.09, and keeps one team and the narrow table.
+  // 40 bytes and ran 1.09, and keeps one team and the narrow table.  (Splitting each warp's work over a key warp
+  // and a value warp that take P from it through shared memory, 3 CTAs of 8 warps per SM, ran 1.23-1.34x the
+  // plain kernel's time at D = 128: BENCHMARKS.md.)
   static constexpr int TEAMS =
       !WIDE_FITS && !GROUPED && !SLICED && !SMALL_GRID && KB == 4 && VB == 4 && !(D == 128 && EXACT) ? 2 : 1;
   static constexpr bool WIDE = WIDE_FITS || TEAMS > 1;
