@@ -737,6 +737,8 @@ struct Shape {
   // q fragments (2 registers per k-step) go to shared memory where registers would crowd out the accumulators:
   // at D = 256, unless the codes are narrow (KB + VB <= Q_REGISTER_BITS), whose tiles leave the room (k2v2 194 ->
   // 224 registers, k3v3 242 -> 254, no spill: 2-7% faster than reading them from shared memory in every tile).
+  // k4v4 at D = 128 read them from shared memory in 1.04-1.05x the time, and 1.10-1.13x with a second tile in
+  // flight in the freed registers (H200, BENCHMARKS.md).
   static constexpr bool Q_IN_SMEM = K_STEPS >= 16 && (GROUPED || KB + VB > Q_REGISTER_BITS);
   // One shared copy of the q fragments serves every warp only when the warps share their dims (not sliced).
   static_assert(!(Q_IN_SMEM && SLICED), "sliced warps hold different q fragments");
@@ -2141,6 +2143,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   auto tile_scores = [&](const TileData<S>& cur, float (&s)[4], float (&v_scale)[2][S::NB]) {
     // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
     // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
+    // (These tests are 8 of a tile's instructions at D = 128: without them, a probe, k4v4 ran 0.988-0.991 of the
+    // time and k2v2 0.974, H200, BENCHMARKS.md.)
     float k_scale[2][S::KNB];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -2161,6 +2165,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
     }
     // Scores S^T (16 keys x 8 rows): D/16 MMAs over the dims, in two independent chains (with two norm blocks
     // and K::BLOCKED, the chains are the blocks: k-step kk holds block kk % 2; with key groups, the groups).
+    // Four chains of two at D = 128 (8 more adds) ran 1.01-1.02x the time (H200).
     s[0] = s[1] = s[2] = s[3] = 0.f;
     float s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -2225,7 +2230,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   };
   // Online softmax of rows 2c, 2c + 1 over a step's NT tiles' scores (e2: their exponentials).  The row maximum
   // (shared by the row's 8 lanes) only moves, and the accumulators only rescale, when some lane's score exceeds it:
-  // rare after the first tiles.
+  // rare after the first tiles.  (The exponentials taken before the vote, and again when the maximum moves, ran
+  // 1.01-1.02x the time at D = 64 to 512, H200.)
   auto softmax_step = [&](auto& ss, auto& e2) {
     constexpr int NT = sizeof(ss) / sizeof(ss[0]);
     bool grows = false;
