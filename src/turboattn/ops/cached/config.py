@@ -209,10 +209,12 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     (exact: the build for caches with exact rows): ctas_per_sm in csrc/decode.cuh, which is the truth (its launch
     bound); a GPU test checks that the two agree. Shared memory, out of 228 KB: the byte -> fp16 tables (one per
     distinct bit width below 8, whose levels are computed; 32 columns of 4-byte entries, of 8-byte entries for 2 bits,
-    16 of them where the 2-bit table is one of two or at head_dim <= 128; 256 rows, 96 for 3 bits, 2^bits for 5 and 6;
-    4-bit rows 256 bytes apart, twice the table, where the CTAs that the registers allow still fit: CodeTable's WIDE;
+    16 of them where the 2-bit table is one of two or at head_dim <= 128 unless teams share it; 256 rows, 96 for 3
+    bits, 2^bits for 5 and 6; tables of 3 to 6 bits wide where the CTAs that the registers allow still fit: a row
+    for every byte, rows 256 bytes apart, two such tables in one 64 KB (CodeTable's WIDE, Shape::INTERLEAVED);
     where they would not, k4v4's CTAs hold two teams of 4 warps that share one wide table, each team one part with
-    its own 16 KB of scratch and static arrays: Shape::TEAMS),
+    its own 16 KB of scratch and static arrays, and so do k3v3's and k2v2's plain kernels at head_dim 128, with a
+    full 2-bit table: Shape::TEAMS),
     at least the 32 KB the same space holds after the main loop, the static arrays (with the q fragments at D = 256
     unless k_bits + v_bits <= CUDA_Q_REGISTER_BITS) and 1 KB reserved. D = 512 splits each row's dims over the 4 warps
     ("sliced"): no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a
@@ -222,11 +224,16 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md). The plan counts these CTAs
     even where the launcher runs k4v4's small-grid twin at D = 128 (2 CTAs per SM, for grids of at most two parts
     per SM: decode.cuh's Shape::SMALL_GRID), whose grid the same plan's parts fill."""
+    team_pair = head_dim == 128 and not exact and (k_bits, v_bits) in ((3, 3), (2, 2))
+    half_rows = (3, 4, 5, 6)   # bit widths whose wide tables fill half of each 256-byte row
+
     def table(bits: int, wide: bool = False) -> int:
         if bits in UNIFORM_BITS:   # levels computed from the code byte: no table
             return 0
+        if wide and bits in half_rows:   # a row for every byte
+            return 256 * 256
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
-        return rows * (256 if (bits == 4 and wide) or (bits == 2 and k_bits == v_bits and head_dim > 128) else 128)
+        return rows * (256 if bits == 2 and k_bits == v_bits and (head_dim > 128 or team_pair) else 128)
     sliced = head_dim >= 512
     scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
     q_in_smem = head_dim == 256 and (isinstance(k_bits, tuple) or k_bits + v_bits > CUDA_Q_REGISTER_BITS)
@@ -246,14 +253,20 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
         tables = sum(table(bits) for bits in {bits for _, bits in k_bits}) + table(v_bits)
     else:
         def tables_of(wide: bool) -> int:
-            return table(k_bits, wide) + (0 if k_bits == v_bits else table(v_bits, wide))
+            if k_bits == v_bits:
+                return table(k_bits, wide)
+            if wide and k_bits in half_rows and v_bits in half_rows:   # interleaved: one table's space
+                return table(k_bits, wide)
+            return table(k_bits, wide) + table(v_bits, wide)
         wide_gains = 8 not in (k_bits, v_bits) and (k_bits, v_bits) != (4, 2)   # measured: decode.cuh's Shape
         wide_fits = wide_gains and by_smem(max(tables_of(True), scratch)) >= by_regs
-        if not wide_fits and not sliced and (k_bits, v_bits) == (4, 4) and not (head_dim == 128 and exact):
+        four_teams = (not wide_fits and not sliced and (k_bits, v_bits) == (4, 4)
+                      and not (head_dim == 128 and exact))
+        if team_pair or four_teams:
             # Two teams per CTA share one wide table, each with its own scratch and static arrays.
             team_scratch = 4 * max(4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS // 2)
             return min(by_smem(tables_of(True) + 2 * team_scratch, teams=2), by_regs)
-        tables = tables_of(wide_fits)   # 4-bit tables wide where the CTAs still fit
+        tables = tables_of(wide_fits)   # tables of 3 to 6 bits wide where the CTAs still fit
     return min(by_smem(max(tables, scratch)), by_regs)
 
 

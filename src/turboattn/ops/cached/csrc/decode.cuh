@@ -3,11 +3,11 @@
 // and variant (decode_d*.cu), so that nvcc builds them in parallel.
 //
 // One CTA per (split, sequence x KV head), 4 warps; each warp walks 16-key tiles of the split and keeps its own
-// online softmax, and the warps are combined at the end.  (k4v4 at D = 128 launches CTAs of two such teams, one part
-// each, that share the code table: Shape::TEAMS; D = 128's plain kernels on 3 CTAs per SM, but k4v3's, run a
-// tile's PV product in the next tile's step: Shape::SKEWED.)  Keys sit on the MMA's M side ("swap AB": a decode step
-// has at most 8 query rows per KV head, the N = 8 side), and every code byte is decoded exactly once per CTA,
-// straight into an MMA fragment (lane = 4 g + c):
+// online softmax, and the warps are combined at the end.  (k4v4, k3v3 and k2v2 at D = 128 launch CTAs of two such
+// teams, one part each, that share the code table: Shape::TEAMS; D = 128's plain kernels on 3 CTAs per SM, but
+// k4v3's, run a tile's PV product in the next tile's step: Shape::SKEWED.)  Keys sit on the MMA's M side ("swap
+// AB": a decode step has at most 8 query rows per KV head, the N = 8 side), and every code byte is decoded exactly
+// once per CTA, straight into an MMA fragment (lane = 4 g + c):
 //   * scores S^T = K Q^T: the A operand (16 keys x 16 dims) of lane (g, c) holds keys g and g + 8 at the k-indices
 //     2c, 2c+1, 2c+8, 2c+9.  The dot product does not care which dim sits at which k-index as long as Q^T uses the
 //     same order, so a lane takes a contiguous quarter of each of its keys' code bytes and every byte goes
@@ -122,8 +122,8 @@ struct Planes {
 // below ROWS, and lane l reads column l % COLUMNS.  One column per lane (32), except COMPACT 2-bit tables: an 8-byte
 // lookup takes two shared-memory wavefronts anyway, so 16 columns (lanes l and l + 16 sharing one) halve the table
 // to 32 KB.  They serve the kernels that hold a second table (k4v2, k2v4: one CTA more per SM, 4-15% faster at
-// D <= 128, H100) and k2v2 at D <= 128 (4 CTAs instead of 3: 7% faster at D = 64; at D = 128, since the lane
-// pointers are pinned, 127 registers and 2-30% faster).  k2v2's one table keeps 32 columns at D = 256: compact, it
+// D <= 128, H100) and k2v2 at D = 64 (4 CTAs instead of 3: 7% faster; at D = 128 its plain build now holds two teams
+// sharing the full table, Shape::TEAMS).  k2v2's one table keeps 32 columns at D = 256: compact, it
 // measured 4% slower on 2 CTAs and up to 16% slower on 3 (q's fragments in shared memory or registers).  k2v8 and
 // k8v2 keep the compact table, measured (with the above) beside their 8-bit side's former table; that side has none
 // now (CodeTable<8>), and 32 columns were not measured for them since.  An entry
@@ -131,26 +131,36 @@ struct Planes {
 //   4 bits: half2 (c[byte & 15], c[byte >> 4]);
 //   2 bits: half2 (c[byte & 3], c[(byte >> 2) & 3]), half2 (c[(byte >> 4) & 3], c[byte >> 6]);
 //   3 bits: half2 (c[a], c[b]) of a byte that merge_planes built: a's low bits at 0-1 and high bit at 4, b's at 2-3
-//           and 6 (bit 5 masked off by the lookup, ROW_MASK);
-//   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code.
-// merge_planes takes whole nibbles of the high plane (a select), other dims' bits included, and the lookup's mask,
-// which it applies anyway, drops them: three instructions per lookup where masking each code's bits took four.
+//           and 6 (bits 5 and 7 other dims');
+//   5, 6 bits: half2 (c[byte], c[byte]) of a byte that merge_planes built: one code (the bits above it other dims').
+// merge_planes takes whole nibbles of the high plane (a select), other dims' bits included.  A narrow table masks
+// them off at each lookup (ROW_MASK): three instructions per lookup where masking each code's bits took four.
 // Rows are 128 or 256 bytes apart (SHIFT 7 or 8).  At 256 the code byte is an offset's byte 1 and the lane's
 // column its byte 0, so one byte-permute makes a lookup's offset where a shift and a lop3 made it (BYTE_ROWS):
-// tables of 8-byte entries in 32 columns fill such rows, and WIDE 4-bit tables take them too, half of each row
-// unused (64 KB), where the kernel's CTAs per SM still fit (Shape::WIDE).  5 and 6-bit and 3-bit lookups mask other
-// dims' bits off the byte (ROW_MASK), which a byte-permute cannot.
-// 8-bit codes have no table (CodeTable<8>, below).
+// tables of 8-byte entries in 32 columns fill such rows, and WIDE tables of 4-byte entries take them too, where the
+// kernel's CTAs per SM still fit (Shape::WIDE).  A WIDE 3, 5 or 6-bit table has a row for every byte, the other
+// dims' bits choosing copies of one entry (EVERY_BYTE), so that its lookups need no mask either.  Such rows fill
+// half of their 256 bytes (HALF_ROWS), and a second half-row table takes the other half (Shape::INTERLEAVED): two
+// sides in 64 KB.  Every-byte tables took 0.88-0.95 of the masked tables' time at D = 128 (k5v3 0.879, k6v6 0.899,
+// k5v4 0.919, k4v3 0.921 at B = 8 x 32K), k5v4 0.947 at D = 64 and 0.949 at D = 256, D = 512's k5v3 preset 0.965
+// (H200, BENCHMARKS.md).  8-bit codes have no table (CodeTable<8>, below).
 template <int BITS, bool COMPACT = false, bool WIDE = false>
 struct CodeTable {
   static constexpr int ENTRY_WORDS = BITS == 2 ? 2 : 1;
-  static constexpr int ROWS = BITS == 3 ? 0x60 : (BITS == 5 || BITS == 6 ? 1 << BITS : 256);
-  // The byte bits that choose the entry: merge_planes leaves other dims' high bits in the rest (3 bits: bits 5 and
-  // 7; 5 and 6 bits: those above the code), and the lookup's mask drops them.
-  static constexpr uint32_t ROW_MASK = BITS == 3 ? 0x5F : (BITS == 5 || BITS == 6 ? (1 << BITS) - 1 : 0xFF);
+  // Two-plane codes' bytes (merge_planes) hold other dims' high bits beside the code (3 bits: bits 5 and 7; 5 and 6
+  // bits: those above the code).  A narrow table masks them off (ROW_MASK); a WIDE one has a row for every byte,
+  // those bits choosing copies of one entry, so that one byte-permute makes the offset (BYTE_ROWS).
+  static constexpr bool TWO_PLANES = BITS == 3 || BITS == 5 || BITS == 6;
+  static constexpr bool EVERY_BYTE = WIDE && TWO_PLANES;
+  static constexpr int ROWS = EVERY_BYTE ? 256 : BITS == 3 ? 0x60 : (TWO_PLANES ? 1 << BITS : 256);
+  static constexpr uint32_t ROW_MASK =
+      EVERY_BYTE ? 0xFF : BITS == 3 ? 0x5F : (TWO_PLANES ? (1 << BITS) - 1 : 0xFF);
   static constexpr int COLUMNS = COMPACT ? 32 / ENTRY_WORDS : 32;
   static constexpr int ENTRY_ROW_WORDS = COLUMNS * ENTRY_WORDS;  // the words an entry row fills
-  static constexpr bool BYTE_ROWS = ROW_MASK == 0xFF && ((WIDE && BITS == 4) || ENTRY_ROW_WORDS == 64);
+  static constexpr bool BYTE_ROWS = ROW_MASK == 0xFF && ((WIDE && BITS != 2) || ENTRY_ROW_WORDS == 64);
+  // Byte rows of 128-byte entries fill half of their 256 bytes: a second such table takes the other half
+  // (Shape::INTERLEAVED).
+  static constexpr bool HALF_ROWS = BYTE_ROWS && ENTRY_ROW_WORDS == 32;
   static constexpr int ROW_WORDS = BYTE_ROWS ? 64 : ENTRY_ROW_WORDS;
   static constexpr int WORDS = ROWS * ROW_WORDS;
   static constexpr int SHIFT = ROW_WORDS == 64 ? 8 : 7;  // log2 of an entry row's bytes
@@ -188,8 +198,8 @@ struct CodeTable {
     const int u = t / SPB;
     // byte = u + K * 128 / SPB; u < 128 / SPB.
     uint4 entries;
-    if constexpr (BITS == 5 || BITS == 6) {   // one code: c[byte] (16 k + u)
-      const uint32_t c = pick<16 * K, 16>(u);
+    if constexpr (BITS == 5 || BITS == 6) {   // one code: c[byte & ROW_MASK] (16 k + u, k's high bits dropped)
+      const uint32_t c = pick<16 * (K % (1 << (BITS - 4))), 16>(u);
       const uint32_t e = c | (c << 16);
       entries = make_uint4(e, e, e, e);
     } else if constexpr (BITS == 4) {   // (c[byte & 15], c[byte >> 4]) = (c[u], c[k])
@@ -252,6 +262,7 @@ struct CodeTable {
 template <bool COMPACT, bool WIDE>
 struct CodeTable<8, COMPACT, WIDE> {
   static constexpr int WORDS = 0;
+  static constexpr bool HALF_ROWS = false;
   __device__ __forceinline__ static uint32_t lane_offset(int) { return 0; }
   __device__ __forceinline__ static void build(uint32_t*) {}
   // half2 (level of byte i of x, level of byte j of x).
@@ -770,13 +781,21 @@ struct Shape {
   static constexpr int ctas_by_shared(int dynamic_words, int teams) {
     return teams * (SM_SHARED_BYTES / (dynamic_words * 4 + teams * STATIC_BYTES + 1024));
   }
-  // A 2-bit table is compact beside a second table and at D <= 128 (CodeTable).  4-bit tables are WIDE (a lookup's
-  // offset in one byte-permute) where the CTAs per SM that the registers allow still fit: k4v4 at D = 64, 256 and
-  // 512 0.93-0.97 of the narrow table's time, k5v4 0.96, k2v4 and k4v3 at D = 256 0.96-0.98 (H200, BENCHMARKS.md).
-  // Not beside an 8-bit side (k4v8, k8v4 1.02-1.04 at D = 128) nor k4v2 (1.025 at D = 256).
-  static constexpr bool K_COMPACT = KB != VB || D <= 128, V_COMPACT = KB != VB || D <= 128 || GROUPED;
+  // A 2-bit table is compact beside a second table and at D <= 128 (CodeTable), but where teams share it (TEAMS,
+  // below: k3v3 and k2v2's plain kernels at D = 128).  Tables of 3 to 6 bits are WIDE (a lookup's offset in one
+  // byte-permute; two of them interleaved in 64 KB) where the CTAs per SM that the registers allow still fit: 4-bit
+  // ones took k4v4 at D = 64, 256 and 512 0.93-0.97 of the narrow table's time, k5v4 0.96, k2v4 and k4v3 at
+  // D = 256 0.96-0.98; 3, 5 and 6-bit ones 0.88-0.95 (CodeTable; H200, BENCHMARKS.md).  Not beside an 8-bit side
+  // (k4v8, k8v4 1.02-1.04 at D = 128) nor k4v2 (1.025 at D = 256).
+  static constexpr bool TEAM_PAIR =
+      !GROUPED && !SLICED && !SMALL_GRID && !EXACT && D == 128 && KB == VB && (KB == 3 || KB == 2);
+  static constexpr bool K_COMPACT = (KB != VB || D <= 128) && !TEAM_PAIR,
+                        V_COMPACT = (KB != VB || D <= 128 || GROUPED) && !TEAM_PAIR;
   static constexpr int WIDE_TABLE_WORDS =
-      CodeTable<KB, K_COMPACT, true>::WORDS + (SHARED_TABLE ? 0 : CodeTable<VB, V_COMPACT, true>::WORDS);
+      CodeTable<KB, K_COMPACT, true>::WORDS +
+      (SHARED_TABLE || (CodeTable<KB, K_COMPACT, true>::HALF_ROWS && CodeTable<VB, V_COMPACT, true>::HALF_ROWS)
+           ? 0
+           : CodeTable<VB, V_COMPACT, true>::WORDS);
   static constexpr bool WIDE_GAINS = !GROUPED && KB != 8 && VB != 8 && !(KB == 4 && VB == 2);
   static constexpr bool WIDE_FITS =
       WIDE_GAINS &&
@@ -784,11 +803,14 @@ struct Shape {
   // Where the CTAs would not fit, k4v4's CTAs hold two teams of warps that share one wide table, each with its own
   // scratch after it (TEAMS; the shared memory of two CTAs, less one table): the plain kernel at D = 128 (0.93-0.95
   // at B = 4 to 32, 1.02 at B = 1) and the exact-row build at D = 64 (0.97); the exact-row build at D = 128 spilled
-  // 40 bytes and ran 1.09, and keeps one team and the narrow table.  (Splitting each warp's work over a key warp
-  // and a value warp that take P from it through shared memory, 3 CTAs of 8 warps per SM, ran 1.23-1.34x the
-  // plain kernel's time at D = 128: BENCHMARKS.md.)
+  // 40 bytes and ran 1.09, and keeps one team and the narrow table.  k3v3's and k2v2's plain kernels at D = 128
+  // hold two teams too (TEAM_PAIR: 4 CTAs of 128 registers, whose narrow or compact tables the teams' one full
+  // table replaces): k3v3 0.913-0.931 at B = 4 to 32 and 1.026 at B = 1, k2v2 0.925-0.942 and 1.004 (H200).
+  // (Splitting each warp's work over a key warp and a value warp that take P from it through shared memory, 3 CTAs
+  // of 8 warps per SM, ran 1.23-1.34x the plain kernel's time at D = 128: BENCHMARKS.md.)
   static constexpr int TEAMS =
-      !WIDE_FITS && !GROUPED && !SLICED && !SMALL_GRID && KB == 4 && VB == 4 && !(D == 128 && EXACT) ? 2 : 1;
+      TEAM_PAIR || (!WIDE_FITS && !GROUPED && !SLICED && !SMALL_GRID && KB == 4 && VB == 4 && !(D == 128 && EXACT))
+          ? 2 : 1;
   static constexpr bool WIDE = WIDE_FITS || TEAMS > 1;
   using KTable = CodeTable<KB, K_COMPACT, WIDE>;
   using VTable = CodeTable<VB, V_COMPACT, WIDE>;
@@ -804,7 +826,11 @@ struct Shape {
   // the exact-row builds, whose loops did not change.
   static constexpr bool PINNED_SELECTORS = D == 128 && !EXACT && !GROUPED && !(KB == 4 && VB == 4);
   static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
-  static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE ? 0 : VTable::WORDS);
+  // Two half-row tables share their rows: the V table's entries sit in the K table's unused halves.
+  static constexpr bool INTERLEAVED = !SHARED_TABLE && !GROUPED && KTable::HALF_ROWS && VTable::HALF_ROWS;
+  static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE || INTERLEAVED ? 0 : VTable::WORDS);
+  // Where the V table starts, in words: interleaved, 128 bytes into each 256-byte row (HALF_ROWS' entry rows).
+  static constexpr int V_TABLE_AT = SHARED_TABLE ? 0 : INTERLEAVED ? 32 : K_TABLE_WORDS;
   // Team i's scratch: SCRATCH_SPAN words from SCRATCH_AT + i SCRATCH_SPAN; one team's is the tables' space.  A
   // team's holds the warps' outputs, the exact part's scratch and the merge's weights of up to TEAM_MERGE_WORDS
   // (rows x parts: far more than a merge on the kernel's tail takes, ops/cached/config.CUDA_MERGE_APART).
@@ -1885,7 +1911,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // The code tables (dynamic, shared by the teams), the rotated queries, the q fragments when they live in shared
   // memory, and the warps' row statistics (a team's own).
   uint32_t* const k_table = code_tables;
-  uint32_t* const v_table = code_tables + (S::SHARED_TABLE ? 0 : S::K_TABLE_WORDS);
+  uint32_t* const v_table = code_tables + S::V_TABLE_AT;
   const int team = team_index<TEAMS>();
   uint32_t* const scratch = code_tables + S::SCRATCH_AT + team * S::SCRATCH_SPAN;
   // A team's arrays in one struct: one base address per team.
@@ -1920,7 +1946,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   if constexpr (TEAMS > 1) {
     // The teams build the shared tables together, before either takes its own path; a CTA's last team may have
     // no part (an odd number of parts).
-    static_assert(S::SHARED_TABLE, "teams share k4v4's one table");
+    static_assert(S::SHARED_TABLE, "teams share one table");
     S::KTable::template build_shared<TEAMS>(k_table, team, tid);
     __syncthreads();
     if (block >= p.num_parts * p.batch_kv_heads) return;
@@ -2144,7 +2170,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
     // A non-finite V scale (the codec's mark of a non-finite value vector) moves onto the key's score, so a key
     // that some mask hides never multiplies its value by a zero weight (0 x NaN), and one that is seen gives NaN.
     // (These tests are 8 of a tile's instructions at D = 128: without them, a probe, k4v4 ran 0.988-0.991 of the
-    // time and k2v2 0.974, H200, BENCHMARKS.md.)
+    // time and k2v2 0.974; the same rule in 4, fma(v, 0, k) on the K scale and min(v, FLT_MAX) on the V scale,
+    // 0.989-1.013, H200, BENCHMARKS.md.)
     float k_scale[2][S::KNB];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
