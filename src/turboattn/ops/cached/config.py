@@ -253,9 +253,8 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
         tables = sum(table(bits) for bits in {bits for _, bits in k_bits}) + table(v_bits)
     else:
         def tables_of(wide: bool) -> int:
-            if k_bits == v_bits:
-                return table(k_bits, wide)
-            if wide and k_bits in half_rows and v_bits in half_rows:   # interleaved: one table's space
+            # One table's space: one codebook, or two interleaved (each fills half of every row).
+            if k_bits == v_bits or (wide and k_bits in half_rows and v_bits in half_rows):
                 return table(k_bits, wide)
             return table(k_bits, wide) + table(v_bits, wide)
         wide_gains = 8 not in (k_bits, v_bits) and (k_bits, v_bits) != (4, 2)   # measured: decode.cuh's Shape

@@ -274,6 +274,10 @@ struct CodeTable<8, COMPACT, WIDE> {
   }
 };
 
+// Whether a K and a V table share rows (Shape::INTERLEAVED): each fills half of every 256-byte row.
+template <class KTable, class VTable>
+constexpr bool interleaves() { return KTable::HALF_ROWS && VTable::HALF_ROWS; }
+
 // The low halves of two table words as one half2 register.
 __device__ __forceinline__ uint32_t low_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x5410); }
 __device__ __forceinline__ uint32_t high_halves(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x7632); }
@@ -793,7 +797,7 @@ struct Shape {
                         V_COMPACT = (KB != VB || D <= 128 || GROUPED) && !TEAM_PAIR;
   static constexpr int WIDE_TABLE_WORDS =
       CodeTable<KB, K_COMPACT, true>::WORDS +
-      (SHARED_TABLE || (CodeTable<KB, K_COMPACT, true>::HALF_ROWS && CodeTable<VB, V_COMPACT, true>::HALF_ROWS)
+      (SHARED_TABLE || interleaves<CodeTable<KB, K_COMPACT, true>, CodeTable<VB, V_COMPACT, true>>()
            ? 0
            : CodeTable<VB, V_COMPACT, true>::WORDS);
   static constexpr bool WIDE_GAINS = !GROUPED && KB != 8 && VB != 8 && !(KB == 4 && VB == 2);
@@ -827,7 +831,7 @@ struct Shape {
   static constexpr bool PINNED_SELECTORS = D == 128 && !EXACT && !GROUPED && !(KB == 4 && VB == 4);
   static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
   // Two half-row tables share their rows: the V table's entries sit in the K table's unused halves.
-  static constexpr bool INTERLEAVED = !SHARED_TABLE && !GROUPED && KTable::HALF_ROWS && VTable::HALF_ROWS;
+  static constexpr bool INTERLEAVED = !SHARED_TABLE && !GROUPED && interleaves<KTable, VTable>();
   static constexpr int TABLE_WORDS = K_TABLE_WORDS + (SHARED_TABLE || INTERLEAVED ? 0 : VTable::WORDS);
   // Where the V table starts, in words: interleaved, 128 bytes into each 256-byte row (HALF_ROWS' entry rows).
   static constexpr int V_TABLE_AT = SHARED_TABLE ? 0 : INTERLEAVED ? 32 : K_TABLE_WORDS;
