@@ -5,7 +5,9 @@ them go (BENCHMARKS.md).
 A lookup of a code is a byte-permute and a shared load whose base, the code table's shared-memory address, ptxas
 keeps in a uniform register (`LDS R, [R + UR]`).  Under nvcc's -split-compile it kept that base in a regular register
 in k4v4's two-team kernels and added it to every key lookup's offset (`LDS R, [R]`): 46 more instructions per tile
-at D = 128, 4.6% of the kernel's time on an H200.  At D = 512 two set-up orders tried on 2026-11-29 made ptxas do the
+at D = 128, 4.6% of the kernel's time on an H200.  From the `code_tables` symbol it rebuilt that address in every
+tile of k3v3's two-team kernel, with an add per key lookup (6% of its time), until the address came through a shuffle
+(`uniform_code_tables`).  At D = 512 two set-up orders tried on 2026-11-29 made ptxas do the
 same to every lookup of k4v4's loop (128 per two-tile step, 1,467 -> 1,565 and 1,608 instructions).
 
 Below D = 512 the set-up converts the query rows only after the first tiles' loads are issued: converted where they
@@ -39,12 +41,6 @@ BUILDS = {
     "sliced, k4v4 at D = 512": "512, 4, 4, false, 0, 0, false",
     "two teams, k3v3 at D = 128": "128, 3, 3, false, 0, 0, false",
 }
-# k3v3's two teams at D = 128: ptxas (nvcc 13.0) rebuilds the K lookups' table address in every tile (S2R of the
-# CTA's id, an lea, and one add per lookup), though the V lookups of the same table take a uniform register.
-BASE_IN_A_REGISTER = {"two teams, k3v3 at D = 128"}
-UNIFORM_BASE_BUILDS = [
-    pytest.param(build, marks=pytest.mark.xfail(strict=True, reason="ptxas adds the K table's base per lookup"))
-    if build in BASE_IN_A_REGISTER else build for build in BUILDS]
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BACKWARD_BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
 
@@ -96,7 +92,7 @@ def sass_of(build: str, tmp_path: Path) -> str:
     return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
 
 
-@pytest.mark.parametrize("build", UNIFORM_BASE_BUILDS)
+@pytest.mark.parametrize("build", BUILDS)
 def test_code_lookups_take_the_table_base_from_a_uniform_register(build, tmp_path):
     loop = main_loop(sass_of(BUILDS[build], tmp_path))
     assert loop, "no main loop found in the SASS"
@@ -140,10 +136,6 @@ def test_wide_lookups_take_their_offset_from_one_byte_permute(build, tmp_path):
     for i, register in lookups:
         w = last_writer(loop, i, register)
         writer = loop[w] if w is not None else ""
-        # k3v3's K lookups add the table's base (BASE_IN_A_REGISTER): the offset is the add's other operand.
-        if re.match(r"(IADD3|IMAD\.IADD) ", writer):
-            offsets = [last_writer(loop, w, r) for r in re.findall(r"R\d+", writer)[1:]]
-            writer = next((loop[o] for o in offsets if o is not None and loop[o].startswith("PRMT")), writer)
         if not writer.startswith("PRMT"):
             masked.append((loop[i], writer))
     assert not masked, f"{len(masked)} of {len(lookups)} lookups' offsets not one byte-permute, e.g. {masked[0]}"

@@ -1047,7 +1047,14 @@ __device__ __forceinline__ uint32_t scale_selector(const uint8_t* addr, bool bf1
 __device__ __forceinline__ uint32_t load_scale_word(const uint8_t* word) {
   return __ldcs(reinterpret_cast<const unsigned int*>(word));
 }
-__device__ __forceinline__ float scale_value(uint32_t word, uint32_t sel) { return __uint_as_float(__byte_perm(word, 0u, sel)); }
+// prmt itself: its selector is one of the constants above, whose nibbles' sign bits are clear, where __byte_perm
+// masks them off first (a lop3 per scale where ptxas cannot see the constant: the pinned selectors; 2-10 fewer loop
+// instructions at D = 128, k2v2 0.983-0.986 of the time, H200).
+__device__ __forceinline__ float scale_value(uint32_t word, uint32_t sel) {
+  uint32_t x;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(word), "r"(sel));
+  return __uint_as_float(x);
+}
 
 // The words that hold the scales of keys g and g + 8: slots[n] after the lane's key.  An even slot keeps the lane's
 // words and permutations (a scale row is 2 bytes at least); CLAMPED slots (the last tile of a full cache) can be odd:
@@ -1338,7 +1345,8 @@ __device__ __forceinline__ bool model_domain_parts(const DecodeParams& p) {
 }
 
 // Parts in the model's domain (model_domain_parts): the rows' normalized outputs y (shared [rows][D], in the codes'
-// domain) rotated back, x = signs * H y / sqrt(D), and stored as part rows part0 + r, a warp per row.
+// domain) rotated back, x = signs * H y / sqrt(D), and stored as part rows part0 + r, a warp per row.  (A warp's two
+// rows rotated together, their shuffles overlapping, ran 1.03-1.04x the time at D = 512, B = 1: H200, BENCHMARKS.md.)
 template <int D>
 __device__ __forceinline__ void store_parts_in_model_domain(const DecodeParams& p, const float* y, const float* signs,
                                                             size_t part0, int rows, int warp, int lane) {
@@ -1568,6 +1576,15 @@ constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GR
 // The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
 // address is still a constant, so a table's address stays a uniform operand of its loads.
 extern __shared__ __align__(16) uint32_t code_tables[];
+
+// The tables' address through a shuffle from lane 0, which ptxas takes as uniform across the warp and cannot
+// recompute: it keeps it in a uniform register over the main loop, the lookups' uniform operand.  From the symbol
+// itself it rebuilt the address in every tile where registers ran short: in k3v3's teams at D = 128 in a regular
+// register, with an add per K lookup (loop 747 -> 708 instructions, 0.935-0.939 of the time, H200).
+__device__ __forceinline__ uint32_t* uniform_code_tables() {
+  const uint32_t at = __shfl_sync(0xffffffffu, static_cast<uint32_t>(__cvta_generic_to_shared(code_tables)), 0);
+  return static_cast<uint32_t*>(__cvta_shared_to_generic(at));
+}
 
 // Arrive on `counter` (after making this CTA's writes visible): whether this CTA is the last of `expected`; the last
 // one resets the counter for the next call (and the next replay of a captured graph).  is_last: a shared flag.
@@ -1914,8 +1931,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   constexpr int TEAMS = S::TEAMS;
   // The code tables (dynamic, shared by the teams), the rotated queries, the q fragments when they live in shared
   // memory, and the warps' row statistics (a team's own).
-  uint32_t* const k_table = code_tables;
-  uint32_t* const v_table = code_tables + S::V_TABLE_AT;
+  uint32_t* const k_table = uniform_code_tables();
+  uint32_t* const v_table = k_table + S::V_TABLE_AT;
   const int team = team_index<TEAMS>();
   uint32_t* const scratch = code_tables + S::SCRATCH_AT + team * S::SCRATCH_SPAN;
   // A team's arrays in one struct: one base address per team.
