@@ -2279,7 +2279,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // Online softmax of rows 2c, 2c + 1 over a step's NT tiles' scores (e2: their exponentials).  The row maximum
   // (shared by the row's 8 lanes) only moves, and the accumulators only rescale, when some lane's score exceeds it:
   // rare after the first tiles.  (The exponentials taken before the vote, and again when the maximum moves, ran
-  // 1.01-1.02x the time at D = 64 to 512, H200.)
+  // 1.01-1.02x the time at D = 64 to 512; a maximum that starts at -FLT_MAX, which needs no select of its -inf case
+  // per tile, 0.992-1.001: H200.)
   auto softmax_step = [&](auto& ss, auto& e2) {
     constexpr int NT = sizeof(ss) / sizeof(ss[0]);
     bool grows = false;
@@ -2371,7 +2372,9 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // loops by two into alternating buffers, which saves the copy, measured slower: 124 vs 109 us at B=8 L=32K, and
   // again for the loops of 2c9d94a, with 4-5% fewer instructions per tile: k4v4 1.11 at B = 8, 1.04-1.07 at B = 1
   // and D = 512, other pairs up to 1.07, H200.  Nor did staging the next tile in shared memory by cp.async, in the
-  // team's scratch: k4v4 at D = 128 1.05-1.09, ptxas keeping all 128 registers, BENCHMARKS.md.)
+  // team's scratch: k4v4 at D = 128 1.05-1.09, ptxas keeping all 128 registers; nor k2v2's teams in a loop of steady
+  // steps, whose next tile needs no test, before a tested one: 1.03, with 6 fewer instructions per tile, H200,
+  // BENCHMARKS.md.)
   TURBOATTN_STAMP(3);
   if constexpr (S::SKEWED) {
     // Step t: the K side of tile t + STRIDE and the V side of tile t go out; tile t's scores, and tile t - STRIDE's
