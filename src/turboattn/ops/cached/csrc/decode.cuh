@@ -1047,9 +1047,9 @@ __device__ __forceinline__ uint32_t scale_selector(const uint8_t* addr, bool bf1
 __device__ __forceinline__ uint32_t load_scale_word(const uint8_t* word) {
   return __ldcs(reinterpret_cast<const unsigned int*>(word));
 }
-// prmt itself: its selector is one of the constants above, whose nibbles' sign bits are clear, where __byte_perm
-// masks them off first (a lop3 per scale where ptxas cannot see the constant: the pinned selectors; 2-10 fewer loop
-// instructions at D = 128, k2v2 0.983-0.986 of the time, H200).
+// prmt itself: the selector is one of the constants above, whose nibbles' sign bits are clear, where __byte_perm
+// masks them off first, a lop3 per side and tile where ptxas cannot see the constant (the pinned selectors: 2-10
+// fewer loop instructions in D = 128's plain kernels, k2v2 0.983-0.986 of the time, H200).
 __device__ __forceinline__ float scale_value(uint32_t word, uint32_t sel) {
   uint32_t x;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(word), "r"(sel));
