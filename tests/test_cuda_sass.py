@@ -7,8 +7,8 @@ keeps in a uniform register (`LDS R, [R + UR]`).  Under nvcc's -split-compile it
 in k4v4's two-team kernels and added it to every key lookup's offset (`LDS R, [R]`): 46 more instructions per tile
 at D = 128, 4.6% of the kernel's time on an H200.  From the `code_tables` symbol it rebuilt that address in every
 tile of k3v3's two-team kernel, with an add per key lookup (6% of its time), until the address came through a shuffle
-(`uniform_code_tables`).  At D = 512 two set-up orders tried on 2026-11-29 made ptxas do the
-same to every lookup of k4v4's loop (128 per two-tile step, 1,467 -> 1,565 and 1,608 instructions).
+(`uniform_code_tables`).  At D = 512 two set-up orders tried on 2026-11-29 made ptxas do the same to every lookup of
+k4v4's loop (128 per two-tile step, 1,467 -> 1,565 and 1,608 instructions).
 
 Below D = 512 the set-up converts the query rows only after the first tiles' loads are issued: converted where they
 were loaded, each row's conversion waited on its load ahead of the tiles' loads (one sequence at D = 128 3.7%

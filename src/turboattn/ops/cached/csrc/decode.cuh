@@ -1573,8 +1573,8 @@ constexpr int ctas_per_sm() {
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0, bool SMALL_GRID = false>
 constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::DYNAMIC_WORDS * 4; }
 
-// The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory); the symbol's
-// address is still a constant, so a table's address stays a uniform operand of its loads.
+// The tables live in dynamic shared memory (two of them pass the 48 KB of static shared memory).  The symbol's
+// address is a constant, which ptxas may still rebuild in every tile: the kernel takes it from uniform_code_tables.
 extern __shared__ __align__(16) uint32_t code_tables[];
 
 // The tables' address through a shuffle from lane 0, which ptxas takes as uniform across the warp and cannot
