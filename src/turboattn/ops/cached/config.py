@@ -82,7 +82,8 @@ CUDA_CHUNK_ALIGN = 64   # split boundaries, in keys: a multiple of the kernel's 
 # rows x 128 parts at D = 512 took 38.9 against 45.2 us, 4 rows x 128 parts at D = 256 15.9 against 21.3, 4 rows x
 # 64 parts at D = 128 17.9 against 19.8; at 16K floats 0.97-1.00 of the fused time; below, slower (8 sequences x 3
 # KV heads x 3 rows x 22 parts at D = 64: 22.0 against 20.1; 32 x 8 heads x 2 parts at D = 128: 125.7 against 99.7),
-# the second launch costing more than the tail's merges.
+# the second launch costing more than the tail's merges.  At 16K floats on B = 1's small-grid twin (one sequence x 8
+# KV heads x 4 rows x 32 parts at D = 128) the tail's merge took 1.016-1.036 of the launch's time (H200).
 CUDA_COUNTERS_PER_HEAD = 1
 CUDA_MERGE_APART = 16 * 1024
 # At D = 512 the merge launch gives each output row up to head_dim / CUDA_MERGE_SLICE_DIMS CTAs, each a slice of its

@@ -827,7 +827,9 @@ struct Shape {
   // The scales' byte permutations (LanePointers::sel) pinned, so that ptxas keeps them in a register where it
   // recomputed them from the lane's address in every tile: 8-15 fewer loop instructions in D = 128's plain kernels,
   // k2v2 0.984, k3v3 0.978, k5v4 0.990 of the time (H200).  k4v4 ran 1.002-1.016 and keeps them unpinned, as do
-  // the exact-row builds, whose loops did not change.
+  // the exact-row builds, whose loops did not change.  (The high planes' offsets pinned the same way in one-team
+  // plain kernels, loops 5-26 instructions shorter: k6v6 1.014-1.018, k5v4 0.992-0.996, k5v3 and D = 64 / 256's
+  // k3v3 0.972-1.013, H200: not kept.)
   static constexpr bool PINNED_SELECTORS = D == 128 && !EXACT && !GROUPED && !(KB == 4 && VB == 4);
   static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
   // Two half-row tables share their rows: the V table's entries sit in the K table's unused halves.
@@ -1315,8 +1317,9 @@ __device__ __forceinline__ void add_fresh_values(const DecodeParams& p, const fl
 // A merged row's last steps, by one warp: the rotation back x = signs * H y / sqrt(D), the fresh tokens' weighted
 // values (in the model's domain, weights fresh_w[j] for the tokens j <= t that query token t sees) over the same
 // denominator as the cached parts, and the store in q's dtype at out_row.  y: the row in the rotated domain.
-template <int D>
-__device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y, const float* signs,
+// sign(i): the sign of the lane's dim lane * D / 32 + i.
+template <int D, typename Sign>
+__device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y, Sign sign,
                                            const float* fresh_w, float denom, long long kv0, int t, size_t out_row,
                                            int lane) {
   constexpr int N = D / 32;
@@ -1326,7 +1329,7 @@ __device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y
   hadamard_warp<D, true>(v, lane);
   const float norm = rsqrtf((float)D);
 #pragma unroll
-  for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
+  for (int i = 0; i < N; ++i) v[i] *= sign(i) * norm;
   add_fresh_values<N>(p, fresh_w, denom, kv0 + lane * N, t, v);
   store_row<N>(p.out, p.q_dtype, out_row + lane * N, v);
 }
@@ -1553,7 +1556,8 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   const int hq = p.num_kv_heads * p.group;
   for (int r = warp; r < rows; r += WARPS) {
     const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
-    finish_row<D>(p, y + r * D, signs, fresh_p + r * MAX_ROWS, denominator[r], kv0, t,
+    finish_row<D>(p, y + r * D, [&](int i) { return signs[lane * (D / 32) + i]; }, fresh_p + r * MAX_ROWS,
+                  denominator[r], kv0, t,
                   (((size_t)b * hq + head) * p.tq + t) * D, lane);
   }
 }
@@ -2552,9 +2556,11 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
 // below, one CTA per row takes the row whole.  Thread t owns float4 t % W of the slice (W float4s) and sums the
 // parts t / W, t / W + SETS, ... in order, MERGE_BATCH loads in flight; the sets' sums are added in order
 // (deterministic).  The part loads go out first; the log2-sum-exps, the sink and the fresh tokens' scores (warp 0;
-// every slice's CTA scores them whole) give the weights meanwhile.  Then the slice's threads add the fresh tokens'
-// values (over the same denominator) and store in q's dtype, as finish_row does; a row in the codes' domain goes
-// through finish_row itself (warp 0: the rotation back first).
+// every slice's CTA scores them whole) give the weights meanwhile, with one barrier for the maximum and one for the
+// sum: every thread combines the warps' in the same order (one thread combining them took two more barriers; at
+// one sequence 0.977-0.996 of that time, outputs bit-identical, H200).  Then the slice's threads add the fresh
+// tokens' values (over the same denominator) and store in q's dtype, as finish_row does; a row in the codes' domain
+// goes through finish_row itself (warp 0: the rotation back first, its signs loaded at the start).
 constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
 template <int D, int SLICES>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p) {
@@ -2566,9 +2572,8 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   __shared__ float weight[MAX_PARTS];
   __shared__ __align__(16) float4 set_sum[MERGE_THREADS];
   __shared__ __align__(16) float row_y[ROTATED ? D : 4];
-  __shared__ float reduce[WARPS_M];
+  __shared__ float reduce[2][WARPS_M];
   __shared__ float fresh_s[MAX_ROWS];
-  __shared__ float row_max, denominator;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rows = p.tq * p.group, parts = p.num_parts;
   const int row = blockIdx.x / SLICES, dim0 = blockIdx.x % SLICES * W * 4;
@@ -2590,6 +2595,14 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
     }
   };
   load_batch(0);
+  // The signs of the lane's dims, for the rotation back (warp 0), out before anything waits.
+  float sign[ROTATED ? D / 32 : 1];
+  if constexpr (ROTATED) {
+    if (warp == 0) {
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) sign[i] = p.signs[lane * (D / 32) + i];
+    }
+  }
   // The row maximum over the parts' log2-sum-exps (staged in `weight`), the sink and the fresh tokens.
   float mx = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
   const float sink = mx;
@@ -2601,17 +2614,15 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   if (p.has_fresh && warp == 0)
     mx = fmaxf(mx, fresh_scores<D>(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t, kv0,
                                    p.key_shift ? p.key_shift + (size_t)bh * D : nullptr, t, lane, fresh_s));
+  // Each warp's maximum, then its sum, through shared memory: every thread combines them in the warps' order.
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
-  if (lane == 0) reduce[warp] = mx;
+  if (lane == 0) reduce[0][warp] = mx;
   __syncthreads();
-  if (tid == 0) {
-    float all = -INFINITY;
-    for (int w = 0; w < WARPS_M; ++w) all = fmaxf(all, reduce[w]);
-    row_max = all == -INFINITY ? 0.f : all;
-  }
-  __syncthreads();
-  const float m_use = row_max;
+  float all_max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < WARPS_M; ++w) all_max = fmaxf(all_max, reduce[0][w]);
+  const float m_use = all_max == -INFINITY ? 0.f : all_max;
   float sum = 0.f;
   for (int q = tid; q < parts; q += MERGE_THREADS) {  // each thread reads back what it staged
     const float w = exp2f(weight[q] - m_use);
@@ -2625,14 +2636,11 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   }
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-  __syncthreads();  // every warp has read row_max and written its weights
-  if (lane == 0) reduce[warp] = sum;
-  __syncthreads();
-  if (tid == 0) {
-    float all = exp2f(sink - m_use);
-    for (int w = 0; w < WARPS_M; ++w) all += reduce[w];
-    denominator = all;
-  }
+  if (lane == 0) reduce[1][warp] = sum;
+  __syncthreads();  // every warp's weights and sum are written
+  float denom = exp2f(sink - m_use);
+#pragma unroll
+  for (int w = 0; w < WARPS_M; ++w) denom += reduce[1][w];
   // The weighted sum of this thread's parts, in order.
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int q0 = 0; q0 < parts; q0 += MERGE_BATCH * SETS) {
@@ -2646,9 +2654,10 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   }
   set_sum[set * W + f] = acc;
   __syncthreads();
+  if (tid >= (W > 32 ? W : 32)) return;  // the threads that sum the sets (and warp 0, which rotates back) go on
   const int hq = p.num_kv_heads * p.group;
   const size_t out_row = (((size_t)b * hq + head) * p.tq + t) * D;
-  const float denom = denominator, inv = denom != 0.f ? 1.f / denom : 0.f;  // NaN stays NaN
+  const float inv = denom != 0.f ? 1.f / denom : 0.f;  // NaN stays NaN
   float y[4] = {};
   if (tid < W) {
     float4 total = set_sum[tid];
@@ -2660,8 +2669,12 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p
   }
   if constexpr (ROTATED) {  // warp 0 rotates the whole row back, adds the fresh tokens' values and stores
     if (tid < W) reinterpret_cast<float4*>(row_y)[tid] = make_float4(y[0], y[1], y[2], y[3]);
-    __syncthreads();
-    if (warp == 0) finish_row<D>(p, row_y, p.signs, fresh_s, denom, kv0, t, out_row, lane);
+    if constexpr (W <= 32) {
+      __syncwarp();  // warp 0 alone wrote the row
+    } else {
+      asm volatile("bar.sync 1, %0;" ::"n"(W) : "memory");  // the W threads left (a multiple of 32 here)
+    }
+    if (warp == 0) finish_row<D>(p, row_y, [&](int i) { return sign[i]; }, fresh_s, denom, kv0, t, out_row, lane);
     return;
   }
   if (tid >= W) return;
