@@ -1557,8 +1557,7 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, int bh, float
   for (int r = warp; r < rows; r += WARPS) {
     const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
     finish_row<D>(p, y + r * D, [&](int i) { return signs[lane * (D / 32) + i]; }, fresh_p + r * MAX_ROWS,
-                  denominator[r], kv0, t,
-                  (((size_t)b * hq + head) * p.tq + t) * D, lane);
+                  denominator[r], kv0, t, (((size_t)b * hq + head) * p.tq + t) * D, lane);
   }
 }
 
@@ -2557,8 +2556,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
 // parts t / W, t / W + SETS, ... in order, MERGE_BATCH loads in flight; the sets' sums are added in order
 // (deterministic).  The part loads go out first; the log2-sum-exps, the sink and the fresh tokens' scores (warp 0;
 // every slice's CTA scores them whole) give the weights meanwhile, with one barrier for the maximum and one for the
-// sum: every thread combines the warps' in the same order (one thread combining them took two more barriers; at
-// one sequence 0.977-0.996 of that time, outputs bit-identical, H200).  Then the slice's threads add the fresh
+// sum: every thread combines the warps' in the same order (one thread combining them took two more barriers; one
+// sequence at D = 128 and 256 took 0.947-0.996 of that time, outputs bit-identical, H200).  Then the slice's threads add the fresh
 // tokens' values (over the same denominator) and store in q's dtype, as finish_row does; a row in the codes' domain
 // goes through finish_row itself (warp 0: the rotation back first, its signs loaded at the start).
 constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
