@@ -54,14 +54,18 @@ constexpr int TILE_KEYS = 16;
 constexpr int MAX_ROWS = 8;
 static_assert(MAX_ROWS % WARPS == 0, "each warp rotates MAX_ROWS / WARPS query rows");
 
+// A warp-uniform value through a shuffle from lane 0: ptxas takes the result as uniform across the warp and cannot
+// recompute it from its source, so what derives from it can stay in uniform registers.
+__device__ __forceinline__ uint32_t from_lane0(uint32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // A decode CTA holds TEAMS teams of WARPS warps (Shape::TEAMS): each team is one part of the grid (what the rest of
 // this file calls a CTA: its own split, barriers and shared arrays), and the teams share the code tables.
-// The team's index through a shuffle from lane 0, which ptxas takes as uniform across the warp: what derives from it
-// (the part, its bounds and pointers, the team's arrays) then stays in uniform registers, as a one-team CTA's does
-// (from the thread index itself, ptxas kept them in the 128 registers of 4 CTAs per SM and spilled 24-172 bytes).
+// The team's index from lane 0 (from_lane0): what derives from it (the part, its bounds and pointers, the team's
+// arrays) then stays in uniform registers, as a one-team CTA's does (from the thread index itself, ptxas kept them
+// in the 128 registers of 4 CTAs per SM and spilled 24-172 bytes).
 template <int TEAMS>
 __device__ __forceinline__ int team_index() {
-  return TEAMS == 1 ? 0 : __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / (WARPS * 32), 0);
+  return TEAMS == 1 ? 0 : static_cast<int>(from_lane0(static_cast<int>(threadIdx.x) / (WARPS * 32)));
 }
 template <int TEAMS>
 __device__ __forceinline__ int team_thread() { return TEAMS == 1 ? threadIdx.x : threadIdx.x % (WARPS * 32); }
@@ -1580,12 +1584,12 @@ constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GR
 // address is a constant, which ptxas may still rebuild in every tile: the kernel takes it from uniform_code_tables.
 extern __shared__ __align__(16) uint32_t code_tables[];
 
-// The tables' address through a shuffle from lane 0, which ptxas takes as uniform across the warp and cannot
-// recompute: it keeps it in a uniform register over the main loop, the lookups' uniform operand.  From the symbol
+// The tables' address from lane 0 (from_lane0): ptxas keeps it in a uniform register over the main loop, the
+// lookups' uniform operand.  From the symbol
 // itself it rebuilt the address in every tile where registers ran short: in k3v3's teams at D = 128 in a regular
 // register, with an add per K lookup (loop 747 -> 708 instructions, 0.935-0.939 of the time, H200).
 __device__ __forceinline__ uint32_t* uniform_code_tables() {
-  const uint32_t at = __shfl_sync(0xffffffffu, static_cast<uint32_t>(__cvta_generic_to_shared(code_tables)), 0);
+  const uint32_t at = from_lane0(static_cast<uint32_t>(__cvta_generic_to_shared(code_tables)));
   return static_cast<uint32_t*>(__cvta_shared_to_generic(at));
 }
 
@@ -2557,9 +2561,10 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
 // (deterministic).  The part loads go out first; the log2-sum-exps, the sink and the fresh tokens' scores (warp 0;
 // every slice's CTA scores them whole) give the weights meanwhile, with one barrier for the maximum and one for the
 // sum: every thread combines the warps' in the same order (one thread combining them took two more barriers; one
-// sequence at D = 128 and 256 took 0.947-0.996 of that time, outputs bit-identical, H200).  Then the slice's threads add the fresh
-// tokens' values (over the same denominator) and store in q's dtype, as finish_row does; a row in the codes' domain
-// goes through finish_row itself (warp 0: the rotation back first, its signs loaded at the start).
+// sequence at D = 128 and 256 took 0.947-0.996 of that time, outputs bit-identical, H200).  Then the slice's
+// threads add the fresh tokens' values (over the same denominator) and store in q's dtype, as finish_row does; a
+// row in the codes' domain goes through finish_row itself (warp 0: the rotation back first, its signs loaded at the
+// start).
 constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
 template <int D, int SLICES>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p) {
