@@ -2553,8 +2553,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
 
 // The merge in a launch of its own, for calls whose parts are more than one CTA per (sequence, KV head) reads
 // quickly on the decode kernel's tail (ops/cached/config.cuda_merge_slices; the decode launch then runs without
-// counters and only writes its parts): SLICES (p.merge_slices) CTAs of MERGE_THREADS threads per output row, each a
-// contiguous slice of its dims, so that a head's parts stream through as many SMs as it has rows times slices
+// counters and only writes its parts): SLICES (p.merge_slices) CTAs of merge_threads<D>() threads per output row,
+// each a contiguous slice of its dims, so that a head's parts stream through as many SMs as it has rows times slices
 // instead of a head's rows through one.  Slices need parts in the model's domain (model_domain_parts: D = 512);
 // below, one CTA per row takes the row whole.  Thread t owns float4 t % W of the slice (W float4s) and sums the
 // parts t / W, t / W + SETS, ... in order, MERGE_BATCH loads in flight; the sets' sums are added in order
@@ -2565,9 +2565,14 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
 // threads add the fresh tokens' values (over the same denominator) and store in q's dtype, as finish_row does; a
 // row in the codes' domain goes through finish_row itself (warp 0: the rotation back first, its signs loaded at the
 // start).
-constexpr int MERGE_THREADS = 512, MERGE_BATCH = 16;
+constexpr int MERGE_BATCH = 16;
+// Threads per merge CTA: 128 up to D = 128, a quarter of the sets, each summed over 4x the parts (one sequence at
+// D = 128 and 64: 0.938-0.970 of 512 threads' time, H200); 512 above (D = 256: 128 threads took 1.08).
+template <int D>
+constexpr int merge_threads() { return D <= 128 ? 128 : 512; }
 template <int D, int SLICES>
-__global__ void __launch_bounds__(MERGE_THREADS) merge_rows(const DecodeParams p) {
+__global__ void __launch_bounds__(merge_threads<D>()) merge_rows(const DecodeParams p) {
+  constexpr int MERGE_THREADS = merge_threads<D>();
   // The slice: W float4s from dim0; a thread's float4 f of it, and its set of parts.
   constexpr int WARPS_M = MERGE_THREADS / 32, W = D / 4 / SLICES, SETS = MERGE_THREADS / W;
   // Parts in the codes' domain (model_domain_parts is false below D = 512): one CTA per row, which rotates back.
@@ -2696,7 +2701,7 @@ int launch_merge(const DecodeParams& params, int batch_kv_heads, cudaStream_t st
   if constexpr (2 * SLICES <= most_merge_slices(D)) {
     if (params.merge_slices > SLICES) return launch_merge<D, 2 * SLICES>(params, batch_kv_heads, stream);
   }
-  merge_rows<D, SLICES><<<batch_kv_heads * params.tq * params.group * SLICES, MERGE_THREADS, 0, stream>>>(params);
+  merge_rows<D, SLICES><<<batch_kv_heads * params.tq * params.group * SLICES, merge_threads<D>(), 0, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
