@@ -1585,9 +1585,9 @@ constexpr int dynamic_bytes() { return Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GR
 extern __shared__ __align__(16) uint32_t code_tables[];
 
 // The tables' address from lane 0 (from_lane0): ptxas keeps it in a uniform register over the main loop, the
-// lookups' uniform operand.  From the symbol
-// itself it rebuilt the address in every tile where registers ran short: in k3v3's teams at D = 128 in a regular
-// register, with an add per K lookup (loop 747 -> 708 instructions, 0.935-0.939 of the time, H200).
+// lookups' uniform operand.  From the symbol itself it rebuilt the address in every tile where registers ran short:
+// in k3v3's teams at D = 128 in a regular register, with an add per K lookup (loop 747 -> 708 instructions,
+// 0.935-0.939 of the time, H200).
 __device__ __forceinline__ uint32_t* uniform_code_tables() {
   const uint32_t at = from_lane0(static_cast<uint32_t>(__cvta_generic_to_shared(code_tables)));
   return static_cast<uint32_t*>(__cvta_shared_to_generic(at));
