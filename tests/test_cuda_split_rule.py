@@ -93,20 +93,23 @@ def test_head_dims_64_and_512_keep_the_full_wave(resident, bkv, d, tokens):
 def test_residency_at_the_measured_pairs():
     """CTAs per SM of the timed kernels (BENCHMARKS.md, H100; a GPU test checks that the launch bounds agree)."""
     # A 2-bit table beside a second one is compact (16 columns, 32 KB), which makes room for a third CTA at
-    # D <= 128 and a second at D = 512 (those pairs were 4-15% faster at D <= 128, 2-6% at D = 512); k2v2's own
-    # table is compact at D <= 128 (a fourth CTA: 7% faster at D = 64, 2-30% at D = 128), 64 KB above.
+    # D <= 128 (those pairs were 4-15% faster there); k2v2's own table is compact at D <= 128 (a fourth CTA: 7%
+    # faster at D = 64, 2-30% at D = 128), 64 KB above.  D = 512's plain kernels run one CTA of two key streams
+    # (8 warps) per SM for every pair, where two CTAs of 4 warps ran; its exact-row builds keep those two.
     for kb, vb in [(4, 2), (2, 4), (8, 2), (2, 8)]:
-        assert [cuda_ctas_per_sm(d, kb, vb) for d in (64, 128, 256, 512)] == [3, 3, 2, 2], (kb, vb)
+        assert [cuda_ctas_per_sm(d, kb, vb) for d in (64, 128, 256, 512)] == [3, 3, 2, 1], (kb, vb)
+        assert cuda_ctas_per_sm(512, kb, vb, exact=True) == 2
     # The plain D = 64 kernels of codes up to 4 bits walk two-tile steps on 3 CTAs (0.91-0.96 of one-tile steps on
     # 4 for k2v2, k3v3 and k4v4, H200); their exact-row builds keep one-tile steps on 4.
-    assert [cuda_ctas_per_sm(d, 2, 2) for d in (64, 128, 256, 512)] == [3, 4, 2, 2]
+    assert [cuda_ctas_per_sm(d, 2, 2) for d in (64, 128, 256, 512)] == [3, 4, 2, 1]
     assert cuda_ctas_per_sm(128, 2, 2, exact=True) == 4
     # k3v3 at D = 128 on 4 CTAs (8 bytes spilled since the lane pointers are pinned; its exact-row build and k4v3
-    # stay at 3).  D = 512 takes 2 for every pair: the room for a second tile in flight.
-    assert [cuda_ctas_per_sm(d, 3, 3) for d in (64, 128, 256, 512)] == [3, 4, 2, 2]
+    # stay at 3).  D = 512's registers hold a second tile in flight: 8 warps per SM for every pair.
+    assert [cuda_ctas_per_sm(d, 3, 3) for d in (64, 128, 256, 512)] == [3, 4, 2, 1]
     assert cuda_ctas_per_sm(128, 3, 3, exact=True) == 3
-    assert [cuda_ctas_per_sm(d, 4, 4) for d in (64, 128, 256, 512)] == [3, 4, 2, 2]
-    assert [cuda_ctas_per_sm(d, 4, 3) for d in (64, 128, 256, 512)] == [3, 3, 2, 2]
+    assert [cuda_ctas_per_sm(d, 4, 4) for d in (64, 128, 256, 512)] == [3, 4, 2, 1]
+    assert [cuda_ctas_per_sm(d, 4, 3) for d in (64, 128, 256, 512)] == [3, 3, 2, 1]
+    assert [cuda_ctas_per_sm(512, kb, vb, exact=True) for kb, vb in [(4, 4), (5, 3), (3, 3)]] == [2] * 3
     assert [cuda_ctas_per_sm(64, kb, vb, exact=True) for kb, vb in [(4, 3), (5, 3), (8, 8), (2, 2), (4, 4)]] == [4] * 5
 
 

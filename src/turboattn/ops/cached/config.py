@@ -221,9 +221,10 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
     ("sliced"): no per-warp outputs to combine, q fragments in registers, 8 KB of partial scores (two buffers of a
     two-tile step's). Registers: 4 CTAs (128 per thread) for k4v4, k2v2 and k3v3's plain build at D = 128, k4v4's and
     k2v2's exact-row builds there, and every pair's exact-row build at D = 64; 3 for other pairs (among them the plain D
-    = 64 kernels of codes up to 4 bits or 8, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256 and at
-    D = 512 (where they hold a second tile in flight) (why: decode.cuh; BENCHMARKS.md). The plan counts these CTAs
-    even where the launcher runs k4v4's small-grid twin at D = 128 (2 CTAs per SM, for grids of at most two parts
+    = 64 kernels of codes up to 4 bits or 8, whose two-tile steps hold two tiles in 168 registers); 2 at D = 256 and in
+    D = 512's exact-row builds (where they hold a second tile in flight); D = 512's plain kernels run 1 CTA of two key
+    streams (8 warps) per SM, one part each (Shape::STREAMS) (why: decode.cuh; BENCHMARKS.md). The plan counts these
+    CTAs even where the launcher runs k4v4's small-grid twin at D = 128 (2 CTAs per SM, for grids of at most two parts
     per SM: decode.cuh's Shape::SMALL_GRID), whose grid the same plan's parts fill."""
     team_pair = head_dim == 128 and not exact and (k_bits, v_bits) in ((3, 3), (2, 2))
     half_rows = (3, 4, 5, 6)   # bit widths whose wide tables fill half of each 256-byte row
@@ -236,15 +237,16 @@ def cuda_ctas_per_sm(head_dim: int, k_bits: int | tuple, v_bits: int, exact: boo
         rows = 0x60 if bits == 3 else 1 << bits if bits in (5, 6) else 256
         return rows * (256 if bits == 2 and k_bits == v_bits and (head_dim > 128 or team_pair) else 128)
     sliced = head_dim >= 512
+    streams = 2 if sliced and not exact else 1   # key streams per CTA (decode.cuh: Shape::STREAMS)
     scratch = 4 * max(0 if sliced else 4 * CUDA_MAX_ROWS * head_dim, CUDA_MAX_ROWS * CUDA_MAX_PARTS)
     q_in_smem = head_dim == 256 and (isinstance(k_bits, tuple) or k_bits + v_bits > CUDA_Q_REGISTER_BITS)
     static = (4 * CUDA_MAX_ROWS * head_dim + (head_dim // 16 * 256 if q_in_smem else 0) + 2048
-              + (2 * 2 * 4 * 32 * 16 + 4 * head_dim if sliced else 0))
+              + (2 * 2 * 4 * 32 * 16 * streams + 4 * head_dim if sliced else 0))
 
     def by_smem(dynamic: int, teams: int = 1) -> int:   # CTAs of `teams` teams, each with its static arrays
         return teams * (228 * 1024 // (dynamic + teams * static + 1024))
     if head_dim in (256, 512):
-        by_regs = 2
+        by_regs = 2 // streams   # one CTA of two key streams at D = 512 (8 warps), where two of one ran
     elif head_dim == 64:
         by_regs = 4 if exact else 3
     else:

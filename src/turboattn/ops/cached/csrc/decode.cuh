@@ -92,6 +92,7 @@ __device__ __forceinline__ void stamp(const DecodeParams& p, int slot) {
   if (threadIdx.x % (WARPS * 32) != 0) return;
   const size_t parts_floats = (size_t)p.num_parts * p.batch_kv_heads * p.tq * p.group * D;  // parts x rows x D
   const size_t cta = blockIdx.x + threadIdx.x / (WARPS * 32) * (size_t)gridDim.x;
+  if (cta >= (size_t)p.num_parts * p.batch_kv_heads) return;  // a second key stream (Shape::STREAMS): not a part
   unsigned long long* at = reinterpret_cast<unsigned long long*>(p.o_part + parts_floats) + cta * STAMP_SLOTS;
   unsigned long long v;
   if (slot >= 10 && slot <= 12) {
@@ -238,6 +239,13 @@ struct CodeTable {
     if (team == 0) store_all<0>(table, t, std::make_integer_sequence<int, STORES / 2>{});
     else store_all<STORES / 2>(table, t, std::make_integer_sequence<int, STORES / 2>{});
   }
+  // Built by a CTA's GROUPS groups of WARPS warps (its key streams: Shape::STREAMS) together; t: the thread in its
+  // group.
+  template <int GROUPS>
+  __device__ static void build_by(uint32_t* table, int group, int t) {
+    if constexpr (GROUPS == 1) build(table);
+    else build_shared<GROUPS>(table, group, t);
+  }
 
   // Byte i of `word`'s entry for this lane (lane_offset = lane * 4 * ENTRY_WORDS): the byte offset
   // (byte & ROW_MASK) << SHIFT | lane_offset in one byte-permute (BYTE_ROWS: the byte and the lane's offset are the
@@ -269,6 +277,8 @@ struct CodeTable<8, COMPACT, WIDE> {
   static constexpr bool HALF_ROWS = false;
   __device__ __forceinline__ static uint32_t lane_offset(int) { return 0; }
   __device__ __forceinline__ static void build(uint32_t*) {}
+  template <int GROUPS>
+  __device__ __forceinline__ static void build_by(uint32_t*, int, int) {}
   // half2 (level of byte i of x, level of byte j of x).
   __device__ __forceinline__ static uint32_t levels(uint32_t x, int i, int j) {
     const uint32_t biased = __byte_perm(x, 0x64u, i | 4 << 4 | j << 8 | 4 << 12);  // (1024 + x_i, 1024 + x_j)
@@ -723,6 +733,13 @@ template <int D, int KB, int VB, int GA = 0, int KB2 = 0, bool EXACT = false, bo
 struct Shape {
   static constexpr int SLICES = slices<D>();
   static constexpr bool SLICED = SLICES > 1;
+  // Key streams per CTA: D = 512's plain kernels run two teams of WARPS sliced warps on one split, each team walking
+  // every other tile, on 1 CTA of 8 warps per SM where 2 CTAs of 4 ran.  The streams share the set-up (a query row
+  // per warp, the tables built once per SM), and their outputs are combined into one part, so that a call has half
+  // the parts to write and merge.  Against 2 CTAs of one stream (H200, BENCHMARKS.md): one sequence x 2 KV heads x
+  // 32K 0.933 (k4v4), 0.965 (k3v3), 0.972 (k2v2); 8 x 64 x 8 heads x 8K 0.934.  (The exact-row builds keep one
+  // stream: their exact CTAs take one part each.)
+  static constexpr int STREAMS = SLICED && !EXACT ? 2 : 1;
   static constexpr bool GROUPED = GA > 0;
   static_assert(!GROUPED || !SLICED, "key groups are read by the unsliced kernel");
   static constexpr int NB = D > 256 ? D / 256 : 1;  // norm blocks: scales per token and side
@@ -770,8 +787,10 @@ struct Shape {
   // Static shared memory (q_rot, q fragments at D = 256, the merge's small weights, statistics; an upper bound);
   // sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
   static constexpr int STATIC_BYTES = 4 * MAX_ROWS * D + (Q_IN_SMEM ? K_STEPS * 32 * 8 : 0) + 2048 +
-                                      (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 + 4 * D : 0);
-  static constexpr int BY_REGISTERS = SMALL_GRID ? SMALL_GRID_CTAS : ctas_by_registers<D, KB, VB, EXACT>();
+                                      (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 * STREAMS + 4 * D : 0);
+  static constexpr int BY_REGISTERS = SMALL_GRID    ? SMALL_GRID_CTAS
+                                      : STREAMS > 1 ? ctas_by_registers<D, KB, VB, EXACT>() / STREAMS
+                                                    : ctas_by_registers<D, KB, VB, EXACT>();
   // Skewed one-tile steps: step t computes tile t's scores and softmax beside tile t - 1's PV product, two
   // independent chains where a one-tile step runs them in a row; the K side (codes and scales) of tile t + 1 and the
   // V codes of tile t are in flight.  The same registers as a one-tile step's loads, and the same operations on the
@@ -820,6 +839,7 @@ struct Shape {
       TEAM_PAIR || (!WIDE_FITS && !GROUPED && !SLICED && !SMALL_GRID && KB == 4 && VB == 4 && !(D == 128 && EXACT))
           ? 2 : 1;
   static constexpr bool WIDE = WIDE_FITS || TEAMS > 1;
+  static constexpr int THREADS = WARPS * 32 * TEAMS * STREAMS;
   using KTable = CodeTable<KB, K_COMPACT, WIDE>;
   using VTable = CodeTable<VB, V_COMPACT, WIDE>;
   using K = std::conditional_t<GROUPED, KeyGroups<D, GA, KB, KB2>, KeyCodes<KB, D, SLICES, KTable>>;
@@ -1930,12 +1950,13 @@ __device__ __forceinline__ void exact_part(const DecodeParams& p, const CtaIndex
 // EXACT: built for caches with exact rows (more CTAs attend them); a separate build keeps that code out of the
 // other kernels' register allocation (inlined or as a call, it made the k4v4 kernel spill).
 template <int D, int KB, int VB, bool EXACT, int GA = 0, int KB2 = 0, bool SMALL_GRID = false>
-__global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::TEAMS,
+__global__ void __launch_bounds__(Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::THREADS,
                                   (ctas_per_sm<D, KB, VB, EXACT, GA, KB2, SMALL_GRID>() /
                                    Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::TEAMS))
     decode(const DecodeParams p) {
   using S = Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>;
-  constexpr int TEAMS = S::TEAMS;
+  constexpr int TEAMS = S::TEAMS, STREAMS = S::STREAMS;
+  static_assert(STREAMS == 1 || (TEAMS == 1 && S::SLICED && !EXACT), "key streams: D = 512's plain kernels");
   // The code tables (dynamic, shared by the teams), the rotated queries, the q fragments when they live in shared
   // memory, and the warps' row statistics (a team's own).
   uint32_t* const k_table = uniform_code_tables();
@@ -1963,10 +1984,21 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   int& is_last = mine.is_last;
   static_assert(TEAMS == 1 || !(S::Q_IN_SMEM || S::SLICED), "teams hold their q fragments in registers, unsliced");
   __shared__ uint2 q_frag[S::Q_IN_SMEM ? S::K_STEPS * 32 : 1];
-  // Sliced: the warps' partial scores of a step's tiles (two buffers, alternating by step: one barrier per step).
-  __shared__ float4 partial_scores[S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 : 1];
+  // Sliced: the warps' partial scores of a step's tiles (two buffers per stream, alternating by step: one barrier
+  // per step).
+  __shared__ float4 partial_scores[S::SLICED ? 2 * S::STEP_TILES * WARPS * 32 * STREAMS : 1];
 
-  const int tid = team_thread<TEAMS>(), lane = tid & 31, warp = tid >> 5;
+  // tid, warp: the thread and warp in its team (its stream's, with key streams: a warp's slice is its warp).
+  const int tid = team_thread<TEAMS * STREAMS>(), lane = tid & 31, warp = tid >> 5;
+  const int stream = STREAMS > 1 ? static_cast<int>(from_lane0(threadIdx.x / (WARPS * 32))) : 0;
+  // A barrier of the stream's warps (the team's without key streams).
+  auto stream_sync = [&] {
+    if constexpr (STREAMS > 1) asm volatile("bar.sync %0, %1;" ::"r"(1 + stream), "n"(WARPS * 32) : "memory");
+    else team_sync<TEAMS>();
+  };
+  // The set-up's warps (both streams'), each loading and rotating ROWS_PER_WARP query rows.
+  constexpr int SET_UP_WARPS = WARPS * STREAMS, ROWS_PER_WARP = MAX_ROWS / SET_UP_WARPS;
+  const int set_up_warp = stream * WARPS + warp;
   const int g = lane >> 2, c = lane & 3;
   // Team t of CTA b takes part b + t gridDim.x of the grid: a launch of one CTA per part (launch: small grids) then
   // leaves every CTA's second team without one.
@@ -2015,7 +2047,7 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   constexpr int N = D / 32;
   constexpr bool LOADS_AHEAD = N < 16;
   float sign[N], gain[N];   // (gain: LOADS_AHEAD only)
-  uint32_t q_raw[MAX_ROWS / WARPS][N];   // as loaded (LOADS_AHEAD), else the floats' bits
+  uint32_t q_raw[ROWS_PER_WARP][N];   // as loaded (LOADS_AHEAD), else the floats' bits
   auto load_set_up = [&] {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -2025,8 +2057,8 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
       else sign[i] *= gi;
     }
 #pragma unroll
-    for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
-      const int r = warp + k * WARPS, t = quotient(p.group_div, r), h = kvh * p.group + r - t * p.group;
+    for (int k = 0; k < ROWS_PER_WARP; ++k) {
+      const int r = set_up_warp + k * SET_UP_WARPS, t = quotient(p.group_div, r), h = kvh * p.group + r - t * p.group;
       const long long offset = b * p.q_stride_b + h * p.q_stride_h + t * p.q_stride_t + lane * N;
       if (r >= rows) {
 #pragma unroll
@@ -2122,9 +2154,9 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // The first tiles' loads.  (An L2 prefetch of the split's first keys here, or kept running ahead of the warps,
   // measured no faster.)
   TileData<S> next, ahead;  // the next tile, and (PREFETCH = 2) the one after it
-  // Each warp walks its own tiles, or (sliced) every warp walks every tile.
-  const int first_tile = lo + (S::SLICED ? 0 : warp * TILE_KEYS);
-  constexpr int STRIDE = S::SLICED ? TILE_KEYS : WARPS * TILE_KEYS;
+  // Each warp walks its own tiles, or (sliced) every warp of a stream walks every STREAMS-th tile.
+  const int first_tile = lo + (S::SLICED ? stream : warp) * TILE_KEYS;
+  constexpr int STRIDE = (S::SLICED ? STREAMS : WARPS) * TILE_KEYS;
   if constexpr (S::SKEWED) {
     if (first_tile < hi) load_side(std::integral_constant<int, KEY_SIDE>{}, first_tile, next);
   } else if (first_tile < hi) {
@@ -2136,19 +2168,19 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   // The tables come from the codebooks' constants, so they are built while the loads are in flight (ptxas
   // interleaves their stores with the queries' rotation, which waits on the loads: nvcc 13.0, sm_90).
   if constexpr (S::GROUPED) S::K::build(k_table);
-  else if constexpr (TEAMS == 1) S::KTable::build(k_table);
-  if constexpr (!S::SHARED_TABLE) S::VTable::build(v_table);
+  else if constexpr (TEAMS == 1) S::KTable::template build_by<STREAMS>(k_table, stream, tid);
+  if constexpr (!S::SHARED_TABLE) S::VTable::template build_by<STREAMS>(v_table, stream, tid);
   TURBOATTN_STAMP(9);
   if constexpr (!LOADS_AHEAD) {   // sign holds the gains too
-    for (int i = tid; i < D; i += WARPS * 32) signs[i] = p.signs[i];
+    for (int i = stream * WARPS * 32 + tid; i < D; i += S::THREADS) signs[i] = p.signs[i];
   } else if (warp == 0) {
 #pragma unroll
     for (int i = 0; i < N; ++i) signs[lane * N + i] = sign[i];
   }
   // q / gain, signs, then H; key groups: q / gain into the stored order, each group's signs and rotation.
 #pragma unroll
-  for (int k = 0; k < MAX_ROWS / WARPS; ++k) {
-    float* const row = q_rot + (warp + k * WARPS) * D;
+  for (int k = 0; k < ROWS_PER_WARP; ++k) {
+    float* const row = q_rot + (set_up_warp + k * SET_UP_WARPS) * D;
     float qx[N];
     raw_to_floats<N>(LOADS_AHEAD ? p.q_dtype : 2, q_raw[k], qx);
     if constexpr (S::GROUPED) {
@@ -2246,12 +2278,12 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
   int exchanges = 0;
   auto exchange = [&](auto& ss) {
     constexpr int NT = sizeof(ss) / sizeof(ss[0]);
-    float4* buf = partial_scores + (exchanges & 1) * S::STEP_TILES * WARPS * 32;
+    float4* buf = partial_scores + (2 * stream + (exchanges & 1)) * S::STEP_TILES * WARPS * 32;
     ++exchanges;
 #pragma unroll
     for (int k = 0; k < NT; ++k)
       buf[(k * WARPS + warp) * 32 + lane] = make_float4(ss[k][0], ss[k][1], ss[k][2], ss[k][3]);
-    team_sync<TEAMS>();
+    stream_sync();
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
       float4 sum = buf[k * WARPS * 32 + lane];
@@ -2439,16 +2471,51 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
   }
   if constexpr (S::SLICED) {
-    // Every warp holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
+    // Every warp of a stream holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
     team_sync<TEAMS>();  // the code tables are no longer read (the merge reuses their space; sliced: one team)
     TURBOATTN_STAMP(0);
+    if constexpr (STREAMS > 1) {
+      // Stream 1 hands its row statistics and unnormalized outputs to stream 0 through shared memory (warp_ml, and
+      // q_rot, free since the q fragments were made), whose lane of the same warp and lane index holds the same rows
+      // and dims: it reads its twin's values where it then writes its own (as the warps' combine below, a NaN sum
+      // stays NaN).
+      if (stream == 1) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 2 * c + e;
+          if (warp == 0 && g == 0) warp_ml[2 * r] = m[e], warp_ml[2 * r + 1] = l[e];
+#pragma unroll
+          for (int t = 0; t < S::DIM_TILES; ++t) {
+            q_rot[r * D + S::V::dim(vg, t, 0)] = acc[t][e];
+            q_rot[r * D + S::V::dim(vg, t, 1)] = acc[t][2 + e];
+          }
+        }
+      }
+      __syncthreads();
+      if (stream == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 2 * c + e;
+          const float m1 = warp_ml[2 * r], l1 = warp_ml[2 * r + 1];
+          const float m_new = fmaxf(m[e], m1), m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float f0 = exp2f(m[e] - m_use), f1 = exp2f(m1 - m_use);
+          l[e] = l[e] * f0 + l1 * f1;
+          m[e] = m_new;
+#pragma unroll
+          for (int t = 0; t < S::DIM_TILES; ++t) {
+            acc[t][e] = acc[t][e] * f0 + q_rot[r * D + S::V::dim(vg, t, 0)] * f1;
+            acc[t][2 + e] = acc[t][2 + e] * f0 + q_rot[r * D + S::V::dim(vg, t, 1)] * f1;
+          }
+        }
+      }
+    }
     // A merge in its own launch takes the parts in the model's domain (model_domain_parts): the rows go through
-    // shared memory (q_rot, unused after the set-up) to be rotated back a row per warp.
+    // shared memory (q_rot, unused after the set-up) to be rotated back a row per warp (of both streams).
     const bool apart = model_domain_parts<D>(p);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 2 * c + e;
-      if (r >= rows) continue;
+      if (r >= rows || stream != 0) continue;
       const size_t part = ((size_t)bh * p.num_parts + split) * rows + r;
       // l is 0 when no key was visible; a NaN (a non-finite key that was seen) stays NaN.
       const float inv = l[e] != 0.f ? 1.f / l[e] : 0.f;
@@ -2461,14 +2528,20 @@ __global__ void __launch_bounds__(WARPS * 32 * Shape<D, KB, VB, GA, KB2, EXACT, 
       if (warp == 0 && g == 0) p.lse_part[part] = l[e] != 0.f ? m[e] + log2f(l[e]) : -INFINITY;
     }
     if (apart) {
-      team_sync<TEAMS>();
+      // Stream 0's warps rotate the rows back, as they wrote them.  (Both streams' warps, a row each, took 27.5-28.4
+      // µs against 27.7 at one sequence x 2 KV heads x 32K, H200; but compute-sanitizer's racecheck reported stream
+      // 1's reads of the rows as hazards wherever stream 0 had passed one more exchange barrier than stream 1, though
+      // a bar.sync 0 lay between the writes and the reads: it appears to order threads by the barriers each passed.)
+      if (stream != 0) return;
+      stream_sync();
       store_parts_in_model_domain<D>(p, q_rot, signs, ((size_t)bh * p.num_parts + split) * rows, rows, warp, lane);
     }
     TURBOATTN_STAMP(5);
     TURBOATTN_STAMP(11);
-    if (p.counters != nullptr)
-      join_and_merge<D, TEAMS>(p, cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml, fresh_p, signs,
-                               is_last);
+    // With key streams, stream 0 alone joins the merge (as team 0 of two: its own barriers).
+    if (p.counters != nullptr && stream == 0)
+      join_and_merge<D, TEAMS * STREAMS>(p, cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml, fresh_p,
+                                         signs, is_last);
     TURBOATTN_STAMP(7);
     TURBOATTN_STAMP(12);
     return;
@@ -2719,7 +2792,7 @@ int launch_build(const DecodeParams& params, int device, int ctas, cudaStream_t 
     if (err != cudaSuccess) return static_cast<int>(err);
     allowed[device] = true;
   }
-  decode<D, KB, VB, EXACT, GA, KB2, SMALL_GRID><<<ctas, WARPS * 32 * S::TEAMS, smem, stream>>>(params);
+  decode<D, KB, VB, EXACT, GA, KB2, SMALL_GRID><<<ctas, S::THREADS, smem, stream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
