@@ -2471,7 +2471,7 @@ __global__ void __launch_bounds__(Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::
     l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
   }
   if constexpr (S::SLICED) {
-    // Every warp of a stream holds the same row statistics and its own dims: it writes them out, and warp 0 the LSEs.
+    // Every warp of a stream holds the same row statistics and its own dims: it writes them out, warp 0 the LSEs.
     team_sync<TEAMS>();  // the code tables are no longer read (the merge reuses their space; sliced: one team)
     TURBOATTN_STAMP(0);
     if constexpr (STREAMS > 1) {
@@ -2510,7 +2510,7 @@ __global__ void __launch_bounds__(Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::
       }
     }
     // A merge in its own launch takes the parts in the model's domain (model_domain_parts): the rows go through
-    // shared memory (q_rot, unused after the set-up) to be rotated back a row per warp (of both streams).
+    // shared memory (q_rot, unused after the set-up) to be rotated back a row per warp (stream 0's, below).
     const bool apart = model_domain_parts<D>(p);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
