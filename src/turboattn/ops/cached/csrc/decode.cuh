@@ -69,11 +69,15 @@ __device__ __forceinline__ int team_index() {
 }
 template <int TEAMS>
 __device__ __forceinline__ int team_thread() { return TEAMS == 1 ? threadIdx.x : threadIdx.x % (WARPS * 32); }
-// A barrier of the team's threads (named barrier 1 + team); the whole CTA's when one team.
+// A barrier of team `team`'s WARPS warps: named barrier 1 + team.
+__device__ __forceinline__ void team_barrier(int team) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "n"(WARPS * 32) : "memory");
+}
+// A barrier of the team's threads; the whole CTA's when one team.
 template <int TEAMS>
 __device__ __forceinline__ void team_sync() {
   if constexpr (TEAMS == 1) __syncthreads();
-  else asm volatile("bar.sync %0, %1;" ::"r"(1 + team_index<TEAMS>()), "n"(WARPS * 32) : "memory");
+  else team_barrier(team_index<TEAMS>());
 }
 
 // Phase stamps of a profiling build (nvcc -DTURBOATTN_STAMPS, never in the shipped build; `turboattn bench
@@ -788,9 +792,7 @@ struct Shape {
   // sliced (D = 512): the partial scores' buffers and the signs past the 2 KB allowance.
   static constexpr int STATIC_BYTES = 4 * MAX_ROWS * D + (Q_IN_SMEM ? K_STEPS * 32 * 8 : 0) + 2048 +
                                       (SLICED ? 2 * STEP_TILES * WARPS * 32 * 16 * STREAMS + 4 * D : 0);
-  static constexpr int BY_REGISTERS = SMALL_GRID    ? SMALL_GRID_CTAS
-                                      : STREAMS > 1 ? ctas_by_registers<D, KB, VB, EXACT>() / STREAMS
-                                                    : ctas_by_registers<D, KB, VB, EXACT>();
+  static constexpr int BY_REGISTERS = SMALL_GRID ? SMALL_GRID_CTAS : ctas_by_registers<D, KB, VB, EXACT>() / STREAMS;
   // Skewed one-tile steps: step t computes tile t's scores and softmax beside tile t - 1's PV product, two
   // independent chains where a one-tile step runs them in a row; the K side (codes and scales) of tile t + 1 and the
   // V codes of tile t are in flight.  The same registers as a one-tile step's loads, and the same operations on the
@@ -1993,7 +1995,7 @@ __global__ void __launch_bounds__(Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::
   const int stream = STREAMS > 1 ? static_cast<int>(from_lane0(threadIdx.x / (WARPS * 32))) : 0;
   // A barrier of the stream's warps (the team's without key streams).
   auto stream_sync = [&] {
-    if constexpr (STREAMS > 1) asm volatile("bar.sync %0, %1;" ::"r"(1 + stream), "n"(WARPS * 32) : "memory");
+    if constexpr (STREAMS > 1) team_barrier(stream);
     else team_sync<TEAMS>();
   };
   // The set-up's warps (both streams'), each loading and rotating ROWS_PER_WARP query rows.
