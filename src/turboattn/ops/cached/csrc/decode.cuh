@@ -732,6 +732,8 @@ constexpr int SM_SHARED_BYTES = 228 * 1024;  // per SM, of which the SM reserves
 // splits on 132 SMs), which leave most of an SM's registers unused by the plain build's 128 per thread.  Bound to
 // that many CTAs, the twin walks two-tile steps with two tiles in flight (202 registers for k4v4 at D = 128, no
 // spill), one team and a wide table: twice the independent work per warp where two warps share a scheduler.
+// (One CTA of 8 warps per SM instead, two key streams whose warps combine into one part per split, at 16 splits
+// for one sequence x 8 KV heads: 0.995-1.015 of this build's time, H200, BENCHMARKS.md.)
 constexpr int SMALL_GRID_CTAS = 2;
 template <int D, int KB, int VB, int GA = 0, int KB2 = 0, bool EXACT = false, bool SMALL_GRID = false>
 struct Shape {
