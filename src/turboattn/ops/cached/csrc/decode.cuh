@@ -859,6 +859,14 @@ struct Shape {
   // plain kernels, loops 5-26 instructions shorter: k6v6 1.014-1.018, k5v4 0.992-0.996, k5v3 and D = 64 / 256's
   // k3v3 0.972-1.013, H200: not kept.)
   static constexpr bool PINNED_SELECTORS = D == 128 && !EXACT && !GROUPED && !(KB == 4 && VB == 4);
+  // The fused merge of few parts a warp per row (merge_rows_by_warps), in the builds where it measured faster: the
+  // plain kernels of k4v4 at D = 64, 128 and 256, k2v2 at D = 64 and 128, k3v3 at D = 64 (0.944-0.993 of the
+  // general merge's time, H200, BENCHMARKS.md).  The others keep only the general merge: with both, ptxas allocates
+  // a kernel's main loop differently, and k3v3's two teams at D = 128 then reloaded a spilled register in every
+  // tile, 1.11-1.12 of the time; the rest were not measured.
+  static constexpr bool ROW_WARP_MERGE =
+      !EXACT && !GROUPED && !SMALL_GRID && KB == VB &&
+      ((D == 64 && KB >= 2 && KB <= 4) || (D == 128 && (KB == 4 || KB == 2)) || (D == 256 && KB == 4));
   static constexpr int K_TABLE_WORDS = KTableWords<GROUPED, K, KTable>::value;
   // Two half-row tables share their rows: the V table's entries sit in the K table's unused halves.
   static constexpr bool INTERLEAVED = !SHARED_TABLE && !GROUPED && interleaves<KTable, VTable>();
@@ -1345,21 +1353,28 @@ __device__ __forceinline__ void add_fresh_values(const DecodeParams& p, const fl
 // A merged row's last steps, by one warp: the rotation back x = signs * H y / sqrt(D), the fresh tokens' weighted
 // values (in the model's domain, weights fresh_w[j] for the tokens j <= t that query token t sees) over the same
 // denominator as the cached parts, and the store in q's dtype at out_row.  y: the row in the rotated domain.
-// sign(i): the sign of the lane's dim lane * D / 32 + i.
+// sign(i): the sign of the lane's dim lane * D / 32 + i.  finish_row_values takes the lane's D / 32 dims of y (from
+// lane * D / 32 on) in registers, finish_row reads them from y in shared memory.
 template <int D, typename Sign>
-__device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y, Sign sign,
-                                           const float* fresh_w, float denom, long long kv0, int t, size_t out_row,
-                                           int lane) {
+__device__ __forceinline__ void finish_row_values(const DecodeParams& p, float (&v)[D / 32], Sign sign,
+                                                  const float* fresh_w, float denom, long long kv0, int t,
+                                                  size_t out_row, int lane) {
   constexpr int N = D / 32;
-  float v[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = y[lane * N + i];
   hadamard_warp<D, true>(v, lane);
   const float norm = rsqrtf((float)D);
 #pragma unroll
   for (int i = 0; i < N; ++i) v[i] *= sign(i) * norm;
   add_fresh_values<N>(p, fresh_w, denom, kv0 + lane * N, t, v);
   store_row<N>(p.out, p.q_dtype, out_row + lane * N, v);
+}
+template <int D, typename Sign>
+__device__ __forceinline__ void finish_row(const DecodeParams& p, const float* y, Sign sign,
+                                           const float* fresh_w, float denom, long long kv0, int t, size_t out_row,
+                                           int lane) {
+  float v[D / 32];
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) v[i] = y[lane * (D / 32) + i];
+  finish_row_values<D>(p, v, sign, fresh_w, denom, kv0, t, out_row, lane);
 }
 
 // Whether a CTA writes its part rotated back into the model's domain: at D = 512 for the merge in a launch of its
@@ -1392,6 +1407,86 @@ __device__ __forceinline__ void store_parts_in_model_domain(const DecodeParams& 
     for (int i = 0; i < N; ++i) v[i] *= signs[lane * N + i] * norm;
     store_row<N>(p.o_part, 2, (part0 + r) * D + lane * N, v);
   }
+}
+
+// The parts a warp per row merges in registers (merge_rows_by_warps): each lane holds its D / 32 dims of every
+// part, at most 32 floats: D = 64 16 parts, D = 128 8, D = 256 4.
+template <int D>
+constexpr int row_warp_parts() { return D <= 256 ? 32 / (D / 32) : 0; }
+// Whether the fused merge of this call takes merge_rows_by_warps: a warp per row (rows <= WARPS) and every part in
+// its lanes' registers.
+template <int D>
+__device__ __forceinline__ bool merges_by_row_warps(const DecodeParams& p, int num_parts) {
+  return p.tq * p.group <= WARPS && num_parts <= row_warp_parts<D>();
+}
+
+// The fused merge of a call with few parts (merges_by_row_warps), on the kernel's tail: warp r merges row r on its
+// own, with no barrier.  Lane q loads part q's log2-sum-exp and every lane its D / 32 dims of every part, all in one
+// L2 round trip issued before the fresh tokens' loads; the weights meet in shuffles, each lane sums its dims over
+// the parts in part order, and the warp rotates the row back (finish_row_values).  The same sums as merge_parts,
+// whose threads each own float4s of the rows and meet in shared memory behind two to four barriers: its serial path
+// was about 840 instructions per warp at D = 64 (ncu).  Against it (H200, BENCHMARKS.md): D = 64 0.944-0.966 of the
+// time (8 sequences x 3 KV heads x 16 parts), k4v4 at D = 128 and 256 0.991-0.993, k2v2 at D = 128 0.980-0.988.
+template <int D, int TEAMS>
+__device__ __forceinline__ void merge_rows_by_warps(const DecodeParams& p, int bh, float* fresh_p, const float* signs,
+                                                    int num_parts) {
+  constexpr int N = D / 32, PARTS = row_warp_parts<D>();
+  const int tid = team_thread<TEAMS>(), lane = tid & 31, r = tid >> 5, rows = p.tq * p.group;
+  if (r >= rows) return;
+  const size_t first = (size_t)bh * p.num_parts * rows;  // part q of row r: first + q rows + r
+  const float lse = lane < num_parts ? __ldcg(p.lse_part + first + (size_t)lane * rows + r) : -INFINITY;
+  float part[PARTS][N];
+#pragma unroll
+  for (int q = 0; q < PARTS; ++q) {
+    const float* at = p.o_part + (first + (size_t)q * rows + r) * D + lane * N;
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 x = q < num_parts ? __ldcg(reinterpret_cast<const float2*>(at + i)) : make_float2(0.f, 0.f);
+      part[q][i] = x.x, part[q][i + 1] = x.y;
+    }
+  }
+  const int b = quotient(p.kv_heads_div, bh), kvh = bh - b * p.num_kv_heads;
+  const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
+  const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
+  const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
+  float mx = fmaxf(sink, lse);
+  if (p.has_fresh) {
+    mx = fmaxf(mx, fresh_scores<D>(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t, kv0,
+                                   p.key_shift ? p.key_shift + (size_t)bh * D : nullptr, t, lane,
+                                   fresh_p + r * MAX_ROWS));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float m_use = mx == -INFINITY ? 0.f : mx;
+  const float w = lane < num_parts ? exp2f(lse - m_use) : 0.f;
+  float sum = w, fresh_w = 0.f;
+  if (p.has_fresh) {  // fresh token j's weight: lane j's (NaN for a non-finite token)
+    __syncwarp();
+    fresh_w = lane < MAX_ROWS ? exp2f(fresh_p[r * MAX_ROWS + lane] - m_use) : 0.f;
+    if (lane < MAX_ROWS) fresh_p[r * MAX_ROWS + lane] = fresh_w;
+    __syncwarp();
+  }
+  sum += fresh_w;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float denom = sum + exp2f(sink - m_use);
+  TURBOATTN_STAMP(14);
+  float y[N] = {};
+#pragma unroll
+  for (int q = 0; q < PARTS; ++q) {
+    const float wq = __shfl_sync(0xffffffffu, w, q);
+    if (q < num_parts) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) y[i] += wq * part[q][i];
+    }
+  }
+  const float inv = denom != 0.f ? 1.f / denom : 0.f;  // NaN stays NaN
+#pragma unroll
+  for (int i = 0; i < N; ++i) y[i] *= inv;
+  TURBOATTN_STAMP(15);
+  const int hq = p.num_kv_heads * p.group;
+  finish_row_values<D>(p, y, [&](int i) { return signs[lane * N + i]; }, fresh_p + r * MAX_ROWS, denom, kv0, t,
+                       (((size_t)b * hq + head) * p.tq + t) * D, lane);
 }
 
 // The fused merge, run by the last CTA of a (sequence, KV head): the cache parts and the fresh tokens by
@@ -1636,14 +1731,21 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int& is_
   return is_last;
 }
 
-// Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part.  The merge takes
-// the CTA's index from here: recomputing it costs integer divisions, cold code on the kernel's tail.
-template <int D, int TEAMS>
+// Count this CTA's part in; the last CTA of the (sequence, KV head) to arrive merges every part, a warp per row
+// where the build has that merge (ROW_WARPS: Shape::ROW_WARP_MERGE) and the call fits it.  The merge takes the CTA's
+// index from here: recomputing it costs integer divisions, cold code on the kernel's tail.
+template <int D, int TEAMS, bool ROW_WARPS = false>
 __device__ __forceinline__ void join_and_merge(const DecodeParams& p, const CtaIndex& cta, uint32_t* scratch,
                                                int scratch_words, float* small, float* q_rot, float* warp_ml,
                                                float* fresh_p, const float* signs, int& is_last) {
   if (!arrive_last<TEAMS>(p.counters + (size_t)cta.bh * COUNTERS_PER_HEAD, p.num_parts, is_last)) return;
   TURBOATTN_STAMP(6);
+  if constexpr (ROW_WARPS) {
+    if (merges_by_row_warps<D>(p, p.num_parts)) {
+      merge_rows_by_warps<D, TEAMS>(p, cta.bh, fresh_p, signs, p.num_parts);
+      return;
+    }
+  }
   merge_parts<D, TEAMS>(p, cta.bh, reinterpret_cast<float*>(scratch), scratch_words, small, q_rot, warp_ml, fresh_p,
                         signs, p.num_parts);
 }
@@ -2623,7 +2725,8 @@ __global__ void __launch_bounds__(Shape<D, KB, VB, GA, KB2, EXACT, SMALL_GRID>::
   TURBOATTN_STAMP(5);
   TURBOATTN_STAMP(11);
   if (p.counters != nullptr)
-    join_and_merge<D, TEAMS>(p, cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml, fresh_p, signs, is_last);
+    join_and_merge<D, TEAMS, S::ROW_WARP_MERGE>(p, cta, scratch, S::SCRATCH_SPAN, merge_small, q_rot, warp_ml,
+                                                fresh_p, signs, is_last);
   TURBOATTN_STAMP(7);
   TURBOATTN_STAMP(12);
 }
