@@ -1449,6 +1449,8 @@ __device__ __forceinline__ void merge_rows_by_warps(const DecodeParams& p, int b
   const long long kv0 = b * p.kv_stride_b + kvh * p.kv_stride_h;
   const int t = quotient(p.group_div, r), head = kvh * p.group + r - t * p.group;
   const float sink = p.sinks ? p.sinks[head] * 1.4426950408889634f : -INFINITY;
+  // The row's maximum and the fresh tokens' weights, as merge_parts takes them (the same lines: as shared helpers they
+  // changed the SASS of all 90 kernels, the general merge's included).
   float mx = fmaxf(sink, lse);
   if (p.has_fresh) {
     mx = fmaxf(mx, fresh_scores<D>(p, b * p.q_stride_b + head * p.q_stride_h + t * p.q_stride_t, kv0,
