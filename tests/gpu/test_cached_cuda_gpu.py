@@ -246,30 +246,33 @@ def test_cuda_merge_of_many_parts(d, case, options, apart, monkeypatch):
 # The fused merge of few parts and rows, a warp per row with every part in its lanes' registers (csrc/decode.cuh:
 # merge_rows_by_warps, where merges_by_row_warps holds, in the builds of Shape::ROW_WARP_MERGE): up to 16 parts at
 # D = 64, 8 at 128, 4 at 256, and fewer, with fresh tokens, sinks, softcap, key transforms, a ring, several query
-# tokens, k2v2's and k3v3's builds beside k4v4's.  (d, case, bits)
+# tokens, k2v2's and k3v3's builds beside k4v4's.  k4v4 at D = 128 takes grids of more than two parts per SM: smaller
+# ones run its small-grid build, which keeps the general merge.  (d, case, bits)
 ROW_WARP_MERGE_CASES = [
     (64, (2, 3, 3, 3000, None, 1, True, None, True, True, 16), (4, 4)),
     (64, (1, 2, 2, 1000, 256, 2, True, 30.0, False, False, 5), (4, 4)),
     (64, (2, 3, 3, 2000, None, 1, True, None, True, False, 11), (3, 3)),
-    (128, (2, 4, 4, 5000, None, 1, True, None, True, False, 8), (4, 4)),
-    (128, (3, 2, 1, 2000, None, 3, True, 50.0, False, True, 3), (4, 4)),
+    (128, (9, 4, 4, 1000, None, 1, True, None, True, False, 8), (4, 4)),     # 288 parts
+    (128, (12, 4, 1, 768, None, 3, True, 50.0, False, True, 6), (4, 4)),     # 288 parts
     (128, (2, 2, 4, 3000, None, 1, True, None, False, True, 7), (2, 2)),
     (256, (2, 2, 4, 3000, None, 1, True, None, True, True, 4), (4, 4)),
 ]
 
 
-def _merges_by_row_warps(d: int, bits: tuple, rows: int, parts: int) -> bool:
-    """decode.cuh's Shape::ROW_WARP_MERGE (the plain builds it serves) and merges_by_row_warps: rows (Tq x group)
-    <= its 4 warps, parts <= 1,024 / head_dim (32 floats per lane)."""
+def _merges_by_row_warps(d: int, bits: tuple, rows: int, parts: int, grid: int) -> bool:
+    """decode.cuh's Shape::ROW_WARP_MERGE (the plain builds it serves; launch: k4v4 at D = 128 runs the small-grid
+    build for grids of at most two parts per SM) and merges_by_row_warps: rows (Tq x group) <= its 4 warps, parts
+    <= 1,024 / head_dim (32 floats per lane)."""
     built = bits in ({(4, 4), (2, 2), (3, 3)} if d == 64 else {(4, 4), (2, 2)} if d == 128 else {(4, 4)})
-    return d <= 256 and built and rows <= 4 and parts <= 1024 // d
+    small_grid = d == 128 and bits == (4, 4) and grid <= 2 * sm_count(torch.device("cuda"))
+    return d <= 256 and built and not small_grid and rows <= 4 and parts <= 1024 // d
 
 
 @pytest.mark.parametrize("d,case,bits", ROW_WARP_MERGE_CASES,
                          ids=[f"D{c[0]}-k{c[2][0]}v{c[2][1]}-{c[1]}" for c in ROW_WARP_MERGE_CASES])
 def test_cuda_merge_by_row_warps(d, case, bits):
     b, hkv, g, length, window, tq, fresh, softcap, with_sinks, fit, splits = case
-    assert _merges_by_row_warps(d, bits, tq * g, splits) and not cuda.cuda_merge_slices(
+    assert _merges_by_row_warps(d, bits, tq * g, splits, splits * b * hkv) and not cuda.cuda_merge_slices(
         splits, tq * g, b * hkv, d, sm_count(torch.device("cuda")))
     _check_against_reference(case, d, bits)
 
@@ -432,20 +435,18 @@ def _check_nan_rows(got, want_nan, clean):
     assert torch.equal(got[~want_nan.cuda()], clean[~want_nan.cuda()])
 
 
-@pytest.mark.parametrize("g", [4, 2], ids=["8-rows", "4-rows"])
 @pytest.mark.parametrize("apart", [False, True], ids=["fused", "apart"])
 @pytest.mark.parametrize("options", [{}, dict(exact_recent=16)], ids=["codes", "exact-window"])
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("value", BAD, ids=["nan", "inf", "-inf"])
-def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options, apart, g, monkeypatch):
+def test_cuda_cached_nonfinite_reaches_only_the_queries_that_see_it(kind, value, options, apart, monkeypatch):
     """The last cached position of sequence 0, KV head 0 is poisoned; of two queries ending there, the first
     does not see it.  3 splits: the NaN must cross the merge (fused, or in its own launch) to exactly its rows.
-    With an exact window the position is read from the exact rows (the exact part), not from its codes.  With
-    4 rows the fused merge runs a warp per row (decode.cuh: merge_rows_by_warps), with 8 the general one."""
+    With an exact window the position is read from the exact rows (the exact part), not from its codes."""
     _force_merge(monkeypatch, "most" if apart else 0)
     gen = torch.Generator().manual_seed(7)
     codec = ta.KVCodec(128, 4, 4)
-    b, hkv, t, tq = 2, 2, 300, 2
+    b, hkv, g, t, tq = 2, 2, 4, 300, 2
     k, v = (torch.randn(b, hkv, t, 128, generator=gen, dtype=torch.float32) for _ in range(2))
     bad_k, bad_v = k.clone(), v.clone()
     (bad_k if kind == "k" else bad_v)[0, 0, t - 1, 5] = value
